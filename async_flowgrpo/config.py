@@ -1,0 +1,304 @@
+"""Typed configuration: dataclasses merged with YAML files and `key=value` overrides (OmegaConf).
+
+`load_config(mode, args)` is what the launchers call: base.yaml, then config/<mode>.yaml, then any
+YAML files named on the command line (e.g. config/model/sd35_medium.yaml), then dot-list overrides.
+Unknown keys, wrong types and impossible combinations raise `ConfigError`, a one-line message
+naming the key; the launchers turn it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from async_flowgrpo.prompts import resolve_prompt_path
+from async_flowgrpo.rewards import available_rewards
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
+EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+class ConfigError(ValueError):
+    """A configuration mistake, reported as one line that names the key."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model
+    family: str = "sd3"  # sd3 (more families: see issue 8)
+    lora_rank: int = 32  # 0 = full fine-tune
+    lora_alpha: int = 64
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "diffusers"  # diffusers | vllm_omni (GPU extra)
+    num_workers: int = 1
+    gpus_per_worker: float = 0.0  # 0 on CPU machines; 1 per rollout actor on GPU clusters
+    cpus_per_worker: float = 0.5
+    group_size: int = 16
+    groups_per_step: int = 4  # groups consumed per trainer step (batch = group_size * groups_per_step)
+    num_steps: int = 10
+    guidance_scale: float = 4.5
+    noise_level: float = 0.7
+    sde_type: str = "sde"  # sde | cps
+    sde_window_size: int = 0  # recorded stochastic steps; 0 = all but the last (original Flow-GRPO)
+    sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
+    resolution: int = 0  # 0 = the model's own (embedded model: 32)
+    prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path
+    seed: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    num_workers: int = 1
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 0.5
+    total_steps: int = 100
+    output_dir: str = "outputs/run"
+    resume: Optional[str] = None  # a checkpoint dir or "latest"
+    seed: int = 42
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    max_grad_norm: float = 1.0
+    micro_batch_size: int = 8
+    mini_batches: int = 1  # optimizer steps per batch
+    checkpoint_every: int = 50
+    sample_every: int = 10  # steps between saved PNG grids of rollout samples
+
+
+@dataclass
+class AlgorithmConfig:
+    max_staleness: int = 1  # eta: admission control bound (0 = sync)
+    clip_range: float = 1e-4
+    adv_clip: float = 5.0
+    is_cap: float = 2.0  # truncation of the staleness weight exp(prox - behav)
+    beta: float = 0.0  # KL to the reference (adapters disabled); 0.04 in Flow-GRPO quality runs
+    prox_mode: str = "recompute"  # recompute | bypass
+    global_std: bool = True
+    mean_only: bool = False
+    drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
+    stale_policy: str = "block"  # block | drop (groups that still arrive older than eta)
+
+
+@dataclass
+class SyncConfig:
+    transport: str = "collective"  # collective (NCCL on CUDA / gloo on CPU) | object_store
+    every: int = 1  # trainer updates between weight publications
+    bucket_mb: float = 64.0
+    update_point: str = "between_steps"  # between_steps (in-flight) | between_groups
+    verify: bool = True  # digest check after every sync
+    timeout_s: float = 1800.0
+
+
+@dataclass
+class RewardConfig:
+    weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
+    num_workers: int = 0  # 0 = score inside the rollout actor; >0 = a pool of reward actors
+    timeout_s: float = 300.0
+    max_consecutive_failures: int = 5
+
+
+@dataclass
+class EvalConfig:
+    every: int = 10  # trainer steps between evaluations; 0 = never (still runs at start and end if enabled)
+    prompts: str = "shapes_eval"
+    num_steps: int = 20
+    guidance_scale: float = 4.5
+    seed: int = 1234
+    at_start_and_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    wandb_mode: str = "disabled"  # online | offline | disabled
+    wandb_project: str = "async_flowgrpo"
+    run_name: Optional[str] = None
+    progress: bool = True
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None  # None = start a local cluster; "auto" or host:port = join one
+    num_cpus: Optional[int] = None  # for a local cluster; None = all cores
+    num_gpus: Optional[int] = None
+    connect_timeout_s: float = 30.0
+
+
+@dataclass
+class Config:
+    mode: str = "fully_async"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    @property
+    def batch_size(self) -> int:
+        return self.rollout.group_size * self.rollout.groups_per_step
+
+
+def _one_line(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"{key}: {msg}" if key else msg
+
+
+def load_config(mode: str, args: list[str] | None = None, config_dir: str = CONFIG_DIR) -> Config:
+    """Merge base.yaml, <mode>.yaml, YAML files given in args and key=value overrides; validate."""
+    args = list(args or [])
+    yaml_files = [os.path.join(config_dir, "base.yaml"), os.path.join(config_dir, f"{mode}.yaml")]
+    overrides = []
+    for arg in args:
+        if arg.endswith((".yaml", ".yml")) and "=" not in arg:
+            yaml_files.append(arg)
+        elif "=" in arg:
+            overrides.append(arg)
+        else:
+            raise ConfigError(f"{arg}: expected key=value or a .yaml file")
+    try:
+        cfg = OmegaConf.structured(Config)
+        for path in yaml_files:
+            if not os.path.exists(path):
+                raise ConfigError(f"config file not found: {path}")
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        config: Config = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    validate(config)
+    return config
+
+
+def to_yaml(config: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def resolve_model_path(path: str) -> str:
+    return EMBEDDED_MODEL if path == "embedded" else path
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _choice(value: Any, key: str, choices: tuple) -> None:
+    _require(value in choices, key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def validate(c: Config) -> None:
+    """Impossible combinations fail here, at start, naming the key."""
+    _choice(c.mode, "mode", MODES)
+    _choice(c.model.family, "model.family", ("sd3",))
+    _choice(c.model.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
+    model_dir = resolve_model_path(c.model.path)
+    _require(os.path.isdir(model_dir), "model.path", f"not a directory: {model_dir}")
+    _require(
+        os.path.exists(os.path.join(model_dir, "model_index.json")),
+        "model.path",
+        f"no model_index.json in {model_dir} (expected a diffusers pipeline directory)",
+    )
+    _require(c.model.lora_rank >= 0, "model.lora_rank", "must be >= 0 (0 = full fine-tune)")
+    _require(c.model.lora_alpha > 0, "model.lora_alpha", "must be > 0")
+
+    r = c.rollout
+    _choice(r.engine, "rollout.engine", ("diffusers", "vllm_omni"))
+    _require(r.num_workers >= 1, "rollout.num_workers", "must be >= 1")
+    _require(r.gpus_per_worker >= 0, "rollout.gpus_per_worker", "must be >= 0")
+    _require(r.cpus_per_worker > 0, "rollout.cpus_per_worker", "must be > 0")
+    _require(r.group_size >= 2, "rollout.group_size", "a group of 1 has advantage 0 under group normalisation (nothing to learn); use >= 2")
+    _require(r.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
+    _require(r.num_steps >= 2, "rollout.num_steps", "must be >= 2 (the last step is never trained)")
+    _require(r.guidance_scale >= 0, "rollout.guidance_scale", "must be >= 0")
+    _require(0 < r.noise_level <= 2, "rollout.noise_level", "must be in (0, 2]")
+    _choice(r.sde_type, "rollout.sde_type", ("sde", "cps"))
+    _require(r.sde_window_size >= 0, "rollout.sde_window_size", "must be >= 0 (0 = all but the last step)")
+    _require(
+        r.sde_window_size <= r.num_steps - 1,
+        "rollout.sde_window_size",
+        f"window of {r.sde_window_size} steps does not fit in {r.num_steps} steps (the last step is never trained)",
+    )
+    if r.sde_window_range is not None:
+        lo_hi = list(r.sde_window_range)
+        _require(len(lo_hi) == 2, "rollout.sde_window_range", "must be [lo, hi]")
+        lo, hi = lo_hi
+        _require(0 <= lo < hi <= r.num_steps - 1, "rollout.sde_window_range", f"need 0 <= lo < hi <= num_steps-1 = {r.num_steps - 1}")
+        window = r.sde_window_size or r.num_steps - 1
+        _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi})")
+    _require(r.resolution >= 0 and r.resolution % 16 == 0, "rollout.resolution", "must be 0 (model default) or a multiple of 16")
+
+    t = c.trainer
+    _require(t.num_workers >= 1, "trainer.num_workers", "must be >= 1")
+    _require(t.gpus_per_worker >= 0, "trainer.gpus_per_worker", "must be >= 0")
+    _require(t.cpus_per_worker > 0, "trainer.cpus_per_worker", "must be > 0")
+    _require(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
+    _require(bool(t.output_dir), "trainer.output_dir", "must not be empty")
+    _require(t.lr > 0, "trainer.lr", "must be > 0")
+    _require(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
+    _require(t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
+    _require(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
+    _require(t.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
+    _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _require(t.sample_every >= 0, "trainer.sample_every", "must be >= 0")
+    per_worker, rest = divmod(c.batch_size, t.num_workers * t.mini_batches)
+    _require(
+        rest == 0 and per_worker >= 1,
+        "rollout.groups_per_step",
+        f"batch of {c.batch_size} samples (group_size x groups_per_step) is not divisible by "
+        f"trainer.num_workers x trainer.mini_batches = {t.num_workers * t.mini_batches}",
+    )
+    if t.resume is not None and t.resume != "latest":
+        _require(os.path.isdir(t.resume), "trainer.resume", f"not a directory: {t.resume}")
+
+    a = c.algorithm
+    _require(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
+    _require(a.clip_range > 0, "algorithm.clip_range", "must be > 0")
+    _require(a.adv_clip > 0, "algorithm.adv_clip", "must be > 0")
+    _require(a.is_cap >= 1, "algorithm.is_cap", "must be >= 1")
+    _require(a.beta >= 0, "algorithm.beta", "must be >= 0")
+    _choice(a.prox_mode, "algorithm.prox_mode", ("recompute", "bypass"))
+    _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
+    _require(not (a.beta > 0 and c.model.lora_rank == 0), "algorithm.beta", "KL to the reference needs LoRA (model.lora_rank > 0)")
+    if c.mode == "sync":
+        _require(a.max_staleness == 0, "algorithm.max_staleness", "sync mode is max_staleness 0")
+    if c.mode == "one_step_off":
+        _require(a.max_staleness == 1, "algorithm.max_staleness", "one_step_off mode is max_staleness 1")
+
+    s = c.sync
+    _choice(s.transport, "sync.transport", ("collective", "object_store"))
+    _require(s.every >= 1, "sync.every", "must be >= 1")
+    _require(s.bucket_mb > 0, "sync.bucket_mb", "must be > 0")
+    _choice(s.update_point, "sync.update_point", ("between_steps", "between_groups"))
+    _require(s.timeout_s > 0, "sync.timeout_s", "must be > 0")
+
+    w = c.reward
+    _require(len(w.weights) > 0, "reward.weights", "name at least one reward")
+    for name in w.weights:
+        _require(name in available_rewards(), f"reward.weights.{name}", f"unknown reward (available: {', '.join(available_rewards())})")
+    _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
+    _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")
+    _require(w.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
+
+    e = c.eval
+    _require(e.every >= 0, "eval.every", "must be >= 0")
+    _require(e.num_steps >= 1, "eval.num_steps", "must be >= 1")
+    _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
+    _require(c.ray.connect_timeout_s > 0, "ray.connect_timeout_s", "must be > 0")
+    for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):
+        try:
+            resolve_prompt_path(prompts)
+        except FileNotFoundError as err:
+            raise ConfigError(f"{key}: {err}") from None

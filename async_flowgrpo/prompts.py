@@ -1,0 +1,93 @@
+"""Prompt files and the prompt stream.
+
+Files: `.txt` (one prompt a line, blank lines and #-comments skipped) or `.jsonl`
+({"prompt": ..., anything else becomes that prompt's metadata}). The shipped sets live in
+async_flowgrpo/assets/prompts; `resolve_prompt_path` finds them by bare name.
+
+The stream is a pure function of its position: the prompt at stream index i is
+permutation(seed, epoch = i // N)[i % N]. So the only state to checkpoint is the cursor, and a
+resumed run neither repeats nor skips a prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+PROMPT_DIR = os.path.join(os.path.dirname(__file__), "assets", "prompts")
+
+
+@dataclass
+class Prompt:
+    text: str
+    metadata: dict = field(default_factory=dict)
+
+
+def resolve_prompt_path(path: str) -> str:
+    """A path as given, or the name of a shipped prompt file (with or without extension)."""
+    if os.path.exists(path):
+        return path
+    for candidate in (path, path + ".jsonl", path + ".txt"):
+        shipped = os.path.join(PROMPT_DIR, candidate)
+        if os.path.exists(shipped):
+            return shipped
+    raise FileNotFoundError(f"prompt file not found: {path}")
+
+
+def load_prompts(path: str) -> list[Prompt]:
+    path = resolve_prompt_path(path)
+    prompts: list[Prompt] = []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or (line.startswith("#") and not path.endswith(".jsonl")):
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    row = json.loads(line)
+                    text = row.pop("prompt")
+                except (json.JSONDecodeError, KeyError) as e:
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a 'prompt' key ({e})") from None
+                prompts.append(Prompt(str(text), row))
+            else:
+                prompts.append(Prompt(line))
+    if not prompts:
+        raise ValueError(f"prompt file {path} has no prompts")
+    return prompts
+
+
+class PromptStream:
+    """Deterministic, resumable stream of (stream_index, Prompt)."""
+
+    def __init__(self, prompts: list[Prompt], seed: int = 0, shuffle: bool = True):
+        self.prompts = prompts
+        self.seed = seed
+        self.shuffle = shuffle
+        self.cursor = 0
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def prompt_at(self, index: int) -> Prompt:
+        epoch, pos = divmod(index, len(self.prompts))
+        if epoch != self._epoch:
+            self._epoch = epoch
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._order = torch.randperm(len(self.prompts), generator=g).tolist()
+            else:
+                self._order = list(range(len(self.prompts)))
+        return self.prompts[self._order[pos]]
+
+    def next(self) -> tuple[int, Prompt]:
+        index = self.cursor
+        self.cursor += 1
+        return index, self.prompt_at(index)
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = int(state["cursor"])

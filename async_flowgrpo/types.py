@@ -1,0 +1,72 @@
+"""The data that flows between rollout, queue and trainer.
+
+The queue's unit is a `Group`: the n samples generated for one prompt. Everything a trainer needs
+to recompute log-probs for the recorded (stochastic) steps travels with it, on CPU, so a group can
+be pickled through Ray's object store and trained on any trainer actor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How a group was (or is to be) sampled. Recorded with the group so the trainer replays it."""
+
+    num_steps: int
+    guidance_scale: float
+    noise_level: float
+    sde_type: str  # "sde" | "cps"
+    window_start: int  # first recorded (stochastic) denoising step
+    window_size: int  # number of recorded steps; 0 means a pure ODE sample (evaluation)
+    height: int
+    width: int
+
+
+@dataclass
+class Group:
+    """n samples of one prompt with their denoising trajectories on the recorded steps.
+
+    Shapes (n = group size, W = window size, latent shape C,H,W):
+      latents    [n, W + 1, C, H, W]  x_j for j = window_start .. window_start + W (inputs and output)
+      sigmas     [W + 1]              sigma of each latent in `latents`
+      log_probs  [n, W]               behaviour log-prob of x_{j+1} given x_j (float32)
+      versions   [W]                  weight version that produced each recorded step
+      images     [n, H, W, 3] uint8   decoded final images
+      prompt_embeds [L, D], pooled_prompt_embeds [P]: the prompt's conditioning (shared by the n samples)
+      negative_* : the unconditional conditioning used for CFG (None when guidance_scale <= 1)
+    """
+
+    prompt: str
+    prompt_index: int  # position in the prompt stream: resume and "no group trained twice" rely on it
+    metadata: dict
+    params: SamplingParams
+    latents: torch.Tensor
+    sigmas: torch.Tensor
+    log_probs: torch.Tensor
+    versions: torch.Tensor
+    images: torch.Tensor
+    prompt_embeds: torch.Tensor
+    pooled_prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor | None = None
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    rewards: torch.Tensor | None = None  # [n] combined reward
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [n]
+    advantages: torch.Tensor | None = None  # [n], set on arrival (see algo.group_advantages)
+    worker_id: int = 0
+    seed: int = 0
+    time_generate_s: float = 0.0
+
+    @property
+    def size(self) -> int:
+        return self.latents.shape[0]
+
+    @property
+    def min_version(self) -> int:
+        return int(self.versions.min())
+
+    def staleness(self, current_version: int) -> int:
+        return current_version - self.min_version

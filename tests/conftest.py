@@ -1,0 +1,16 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random SD3 pipeline directory (real architecture), built once per test session."""
+    from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
+
+    return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_sd3")))

@@ -1,0 +1,112 @@
+"""Config loading: defaults, YAML + dot-list merging, and one-line errors (exit code 2) for bad input."""
+
+import os
+
+import pytest
+
+from async_flowgrpo.cli import config_or_exit
+from async_flowgrpo.config import ConfigError, load_config, to_yaml
+
+
+@pytest.fixture
+def model(tiny_model_dir):
+    return f"model.path={tiny_model_dir}"
+
+
+def test_modes_load_with_overrides(model):
+    for mode, eta in (("sync", 0), ("one_step_off", 1), ("fully_async", 1)):
+        cfg = load_config(mode, [model, "trainer.total_steps=3", "rollout.num_workers=2"])
+        assert cfg.mode == mode
+        assert cfg.algorithm.max_staleness == eta
+        assert cfg.trainer.total_steps == 3 and cfg.rollout.num_workers == 2
+        assert cfg.batch_size == cfg.rollout.group_size * cfg.rollout.groups_per_step
+
+
+def test_yaml_file_argument_and_round_trip(model, tmp_path):
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("rollout:\n  group_size: 4\nsync:\n  bucket_mb: 8\n")
+    cfg = load_config("fully_async", [str(extra), model, "rollout.group_size=6", "rollout.groups_per_step=2"])
+    assert cfg.rollout.group_size == 6  # the dot-list wins over the file
+    assert cfg.sync.bucket_mb == 8.0
+    dumped = tmp_path / "config.yaml"
+    dumped.write_text(to_yaml(cfg))
+    again = load_config("fully_async", [str(dumped)])
+    assert again == cfg
+
+
+BAD_CONFIGS = [
+    # (overrides, text the one-line message must contain)
+    (["rollout.group_sise=4"], "group_sise"),
+    (["nonsense.key=1"], "nonsense"),
+    (["rollout.group_size=abc"], "rollout.group_size"),
+    (["trainer.total_steps=1.5"], "trainer.total_steps"),
+    (["rollout.num_workers=0"], "rollout.num_workers"),
+    (["rollout.num_workers=-1"], "rollout.num_workers"),
+    (["trainer.num_workers=0"], "trainer.num_workers"),
+    (["rollout.group_size=1"], "rollout.group_size"),
+    (["rollout.group_size=0"], "rollout.group_size"),
+    (["rollout.groups_per_step=0"], "rollout.groups_per_step"),
+    (["rollout.num_steps=1"], "rollout.num_steps"),
+    (["rollout.num_steps=10", "rollout.sde_window_size=10"], "rollout.sde_window_size"),
+    (["rollout.sde_window_size=-2"], "rollout.sde_window_size"),
+    (["rollout.sde_window_range=[3,2]"], "rollout.sde_window_range"),
+    (["rollout.sde_window_size=4", "rollout.sde_window_range=[0,2]"], "rollout.sde_window_size"),
+    (["rollout.sde_type=ode"], "rollout.sde_type"),
+    (["rollout.noise_level=0"], "rollout.noise_level"),
+    (["rollout.engine=tensorrt"], "rollout.engine"),
+    (["rollout.resolution=30"], "rollout.resolution"),
+    (["rollout.prompts=/no/such/prompts.txt"], "rollout.prompts"),
+    (["rollout.group_size=3", "rollout.groups_per_step=3", "trainer.num_workers=2"], "not divisible"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size"),
+    (["trainer.lr=0"], "trainer.lr"),
+    (["trainer.lr=-1e-4"], "trainer.lr"),
+    (["trainer.resume=/no/such/run"], "trainer.resume"),
+    (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
+    (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
+    (["algorithm.clip_range=0"], "algorithm.clip_range"),
+    (["algorithm.is_cap=0.5"], "algorithm.is_cap"),
+    (["algorithm.prox_mode=magic"], "algorithm.prox_mode"),
+    (["algorithm.stale_policy=ignore"], "algorithm.stale_policy"),
+    (["algorithm.beta=0.04", "model.lora_rank=0"], "algorithm.beta"),
+    (["model.lora_rank=-4"], "model.lora_rank"),
+    (["model.dtype=float8"], "model.dtype"),
+    (["model.family=sdxl"], "model.family"),
+    (["sync.transport=carrier_pigeon"], "sync.transport"),
+    (["sync.every=0"], "sync.every"),
+    (["sync.bucket_mb=0"], "sync.bucket_mb"),
+    (["sync.update_point=mid_air"], "sync.update_point"),
+    (["reward.weights={nonexistent_reward: 1.0}"], "nonexistent_reward"),
+    (["reward.max_consecutive_failures=0"], "reward.max_consecutive_failures"),
+    (["logging.wandb_mode=loud"], "logging.wandb_mode"),
+    (["mode=turbo"], "mode"),
+    (["trainer.total_steps"], "expected key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", BAD_CONFIGS, ids=[" ".join(o) for o, _ in BAD_CONFIGS])
+def test_bad_config_exits_2_with_one_line(overrides, needle, model, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        config_or_exit("fully_async", [model, *overrides])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert needle in err, err
+
+
+def test_mode_specific_staleness(model):
+    with pytest.raises(ConfigError, match="algorithm.max_staleness"):
+        load_config("sync", [model, "algorithm.max_staleness=2"])
+
+
+def test_missing_and_invalid_model_path(tmp_path):
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config("fully_async", [f"model.path={tmp_path / 'missing'}"])
+    (tmp_path / "not_a_model").mkdir()
+    with pytest.raises(ConfigError, match="model_index.json"):
+        load_config("fully_async", [f"model.path={tmp_path / 'not_a_model'}"])
+
+
+def test_model_family_file_requires_path():
+    sd35 = os.path.join(os.path.dirname(__file__), "..", "config", "model", "sd35_medium.yaml")
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config("fully_async", [sd35])
