@@ -253,12 +253,17 @@ def validate(c: Config) -> None:
     _require(t.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _require(t.sample_every >= 0, "trainer.sample_every", "must be >= 0")
-    per_worker, rest = divmod(c.batch_size, t.num_workers * t.mini_batches)
+    # Trainers split a batch by whole groups; each splits its share into mini-batches of samples.
     _require(
-        rest == 0 and per_worker >= 1,
+        r.groups_per_step % t.num_workers == 0,
         "rollout.groups_per_step",
-        f"batch of {c.batch_size} samples (group_size x groups_per_step) is not divisible by "
-        f"trainer.num_workers x trainer.mini_batches = {t.num_workers * t.mini_batches}",
+        f"{r.groups_per_step} groups per step cannot be split evenly over trainer.num_workers = {t.num_workers}",
+    )
+    per_worker = c.batch_size // t.num_workers
+    _require(
+        per_worker % t.mini_batches == 0,
+        "trainer.mini_batches",
+        f"{per_worker} samples per trainer are not divisible into {t.mini_batches} mini-batches",
     )
     if t.resume is not None and t.resume != "latest":
         _require(os.path.isdir(t.resume), "trainer.resume", f"not a directory: {t.resume}")
@@ -276,6 +281,11 @@ def validate(c: Config) -> None:
         _require(a.max_staleness == 0, "algorithm.max_staleness", "sync mode is max_staleness 0")
     if c.mode == "one_step_off":
         _require(a.max_staleness == 1, "algorithm.max_staleness", "one_step_off mode is max_staleness 1")
+    if c.mode in ("sync", "one_step_off"):
+        _require(c.sync.every == 1, "sync.every", f"{c.mode} publishes weights after every step; use 1")
+    else:
+        # Groups admitted at version v may be trained up to sync.every - 1 updates later.
+        _require(c.sync.every <= a.max_staleness + 1, "sync.every", "must be <= algorithm.max_staleness + 1 in fully_async")
 
     s = c.sync
     _choice(s.transport, "sync.transport", ("collective", "object_store"))

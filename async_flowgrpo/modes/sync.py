@@ -1,0 +1,25 @@
+"""sync: generate a batch, train on it, publish the weights. Staleness 0; the baseline."""
+
+from __future__ import annotations
+
+from async_flowgrpo.config import Config
+from async_flowgrpo.pipeline import Pipeline
+
+
+def run(cfg: Config) -> dict:
+    p = Pipeline(cfg)
+    try:
+        eval_metrics = p.maybe_evaluate(force=True)
+        while p.step < cfg.trainer.total_steps:
+            groups = p.collect(p.generate_batch_async())  # rollout ...
+            metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)
+            sync = p.publish_weights()
+            p.maybe_save_samples(groups)
+            last = p.step >= cfg.trainer.total_steps
+            eval_metrics = p.maybe_evaluate(force=last)
+            p.log.log(p.step, p.step_metrics(metrics, {**sync, **eval_metrics}))
+            if p.checkpoint_due() or last:
+                p.save_checkpoint()
+        return p.log.summary({})
+    finally:
+        p.shutdown()

@@ -1,0 +1,290 @@
+"""What the three mode drivers share: Ray start-up, actors, weight sync, batch assembly, logging.
+
+A driver (async_flowgrpo/modes/*.py) only decides *when* to generate, train and publish; every
+*how* lives here, so the schedules read in a few lines each.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+import socket
+import time
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from async_flowgrpo import algo
+from async_flowgrpo.config import Config, to_yaml
+from async_flowgrpo.metrics import RunLogger, reduce_metrics
+from async_flowgrpo.rollout.worker import RolloutActor
+from async_flowgrpo.sync import free_port, make_transport, node_ip
+from async_flowgrpo.training import TrainerActor
+from async_flowgrpo.types import Group
+
+logger = logging.getLogger(__name__)
+
+
+class PipelineError(RuntimeError):
+    """A start-up or run failure with a message meant for the user (the launcher prints one line)."""
+
+
+# -- Ray cluster ---------------------------------------------------------------------------------
+def init_ray(cfg: Config) -> None:
+    if ray.is_initialized():
+        return
+    address = cfg.ray.address
+    env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
+    if address:
+        if address != "auto":
+            # ray.init retries an unreachable address for a long time: probe the port first.
+            host, _, port = address.replace("ray://", "").rpartition(":")
+            try:
+                socket.create_connection((host, int(port)), timeout=cfg.ray.connect_timeout_s).close()
+            except (OSError, ValueError) as e:
+                raise PipelineError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as e:
+            raise PipelineError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
+    else:
+        ray.init(
+            num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+            num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
+            include_dashboard=False,
+            runtime_env=env,
+        )
+
+
+def check_resources(cfg: Config) -> None:
+    """Fail in seconds, not hang, when the cluster cannot hold the requested actors."""
+    total = ray.cluster_resources()
+    r, t = cfg.rollout, cfg.trainer
+    need_gpu = r.num_workers * r.gpus_per_worker + t.num_workers * t.gpus_per_worker
+    need_cpu = r.num_workers * r.cpus_per_worker + t.num_workers * t.cpus_per_worker
+    if need_gpu > total.get("GPU", 0):
+        raise PipelineError(
+            f"rollout.gpus_per_worker/trainer.gpus_per_worker: {need_gpu:g} GPUs requested "
+            f"({r.num_workers} rollout + {t.num_workers} trainer actors), the cluster has {total.get('GPU', 0):g}"
+        )
+    if need_cpu > total.get("CPU", 0):
+        raise PipelineError(
+            f"rollout.cpus_per_worker/trainer.cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
+        )
+
+
+def latest_checkpoint(output_dir: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*")))
+    return found[-1] if found else None
+
+
+class Pipeline:
+    """Rollout actors + trainer actors + the weight-sync group + run logging."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        init_ray(cfg)
+        check_resources(cfg)
+        r, t = cfg.rollout, cfg.trainer
+        self.transport = make_transport(
+            cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s, verify=cfg.sync.verify
+        )
+        # One placement group: rollout and trainer bundles are separate, so they never share a GPU.
+        bundles = [self._bundle(r.cpus_per_worker, r.gpus_per_worker)] * r.num_workers
+        bundles += [self._bundle(t.cpus_per_worker, t.gpus_per_worker)] * t.num_workers
+        self.placement = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self.placement.ready(), timeout=cfg.ray.connect_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.placement)
+            raise PipelineError(f"the cluster cannot place {len(bundles)} actors with bundles {bundles} (ray.address / *.gpus_per_worker)") from None
+
+        dp_address = (node_ip(), free_port())
+        self.trainers = [
+            TrainerActor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
+            for i in range(t.num_workers)
+        ]
+        self.rollouts = [RolloutActor.options(**self._placed(i, r)).remote(cfg, i, self.transport) for i in range(r.num_workers)]
+        ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=600)
+        self.connect_sync_group()
+
+        self.version = 0  # published weight version
+        self.step = 0  # trainer steps done
+        self.next_ticket = 0  # batch modes: index of the next group to start
+        self.consumed_samples = 0
+        self.skipped_groups = 0
+        self.sync_stats = {"sync/time_s": 0.0, "sync/bytes": 0.0}
+        self.log = RunLogger(t.output_dir, cfg, total_steps=t.total_steps, progress=cfg.logging.progress)
+        self.resume_if_asked()
+        self.publish_weights()  # rollout actors start from exactly the trainer's weights
+        self.start_time = time.perf_counter()
+        self.start_step = self.step
+
+    @staticmethod
+    def _bundle(cpus: float, gpus: float) -> dict:
+        return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+
+    def _placed(self, bundle_index: int, role) -> dict:
+        return {
+            "num_cpus": role.cpus_per_worker,
+            "num_gpus": role.gpus_per_worker,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle_index),
+        }
+
+    # -- weight sync ---------------------------------------------------------------------------
+    def connect_sync_group(self) -> None:
+        """(Re)build the group of trainer rank 0 + every rollout actor; rerun after replacing one."""
+        world = len(self.rollouts) + 1
+        address = ray.get(self.trainers[0].sync_address.remote(), timeout=60)
+        ray.get(
+            [self.trainers[0].sync_connect.remote(address, world)]
+            + [rollout.sync_connect.remote(address, i + 1, world) for i, rollout in enumerate(self.rollouts)],
+            timeout=120,
+        )
+
+    def publish_weights(self) -> dict:
+        """Broadcast the trainer's weights (version self.version) to every rollout actor and verify."""
+        start = time.perf_counter()
+        push = self.trainers[0].push.remote(self.version)
+        pulls = [rollout.pull.remote([push]) for rollout in self.rollouts]
+        sent, *received = ray.get([push, *pulls], timeout=self.cfg.sync.timeout_s)
+        if self.cfg.sync.verify:
+            for i, got in enumerate(received):
+                if got["digest"] != sent.stats.digest:
+                    raise PipelineError(f"weight sync: rollout actor {i} digest {got['digest'][:12]} != trainer {sent.stats.digest[:12]}")
+        elapsed = time.perf_counter() - start
+        self.sync_stats["sync/time_s"] += elapsed
+        self.sync_stats["sync/bytes"] += sent.stats.bytes * len(self.rollouts)
+        return {"sync/time_s": elapsed, "sync/bytes": sent.stats.bytes}
+
+    # -- batch modes: the driver hands out tickets ---------------------------------------------
+    def generate_batch_async(self, num_groups: int | None = None) -> list:
+        """Start the next batch on the rollout actors (tickets round-robin); returns Ray refs."""
+        num_groups = num_groups or self.cfg.rollout.groups_per_step
+        tickets = list(range(self.next_ticket, self.next_ticket + num_groups))
+        self.next_ticket += num_groups
+        shares = [tickets[i :: len(self.rollouts)] for i in range(len(self.rollouts))]
+        return [rollout.generate.remote(share) for rollout, share in zip(self.rollouts, shares) if share]
+
+    def collect(self, refs: list) -> list[Group]:
+        groups = [g for share in ray.get(refs, timeout=3600) for g in share]
+        kept = [g for g in groups if g is not None]
+        self.skipped_groups += len(groups) - len(kept)
+        return kept
+
+    # -- training ------------------------------------------------------------------------------
+    def train(self, groups: list[Group]) -> dict[str, float]:
+        """Advantages over the batch, one data-parallel update, version + 1. Returns step metrics."""
+        a = self.cfg.algorithm
+        rewards = torch.cat([g.rewards for g in groups])
+        group_ids = torch.cat([torch.full((g.size,), i) for i, g in enumerate(groups)])
+        advantages, zero_std = algo.group_advantages(rewards, group_ids, global_std=a.global_std, mean_only=a.mean_only)
+        for i, g in enumerate(groups):
+            g.advantages = advantages[group_ids == i]
+        metrics = {
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(correction=0).item(),
+            "reward/zero_std_frac": algo.zero_std_fraction(rewards, group_ids),
+        }
+        for name in groups[0].reward_components:
+            metrics[f"reward/{name}"] = torch.cat([g.reward_components[name] for g in groups]).mean().item()
+        if a.drop_zero_std:
+            kept = [g for i, g in enumerate(groups) if not zero_std[group_ids == i].all()]
+            metrics["samples/dropped_zero_std"] = sum(g.size for g in groups) - sum(g.size for g in kept)
+            groups = kept
+        n = len(self.trainers)
+        if len(groups) < n:  # nothing (or too little) to learn from: keep the weights, count it
+            metrics["train/skipped_short_batch"] = 1.0
+            return metrics
+        shards = [groups[i::n] for i in range(n)]
+        per_rank = ray.get([tr.train_step.remote(shard, self.version) for tr, shard in zip(self.trainers, shards)], timeout=3600)
+        metrics.update(reduce_metrics(per_rank))
+        self.consumed_samples += sum(g.size for g in groups)
+        self.step += 1
+        self.version += 1
+        return metrics
+
+    # -- logging, evaluation, checkpoints --------------------------------------------------------
+    def step_metrics(self, train_metrics: dict, extra: dict | None = None) -> dict:
+        elapsed = time.perf_counter() - self.start_time
+        rollout_stats = ray.get([r.stats.remote() for r in self.rollouts], timeout=60)
+        trainer_idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=60)
+        m = {
+            "step": self.step,
+            "version": self.version,
+            "time_s": elapsed,
+            **train_metrics,
+            **self.sync_stats,
+            "perf/samples_per_s": self.consumed_samples / max(elapsed, 1e-9),
+            "perf/trainer_idle_frac": sum(trainer_idle) / len(trainer_idle),
+            "samples/consumed": self.consumed_samples,
+            "rewards/skipped_groups": self.skipped_groups,
+        }
+        m.update(reduce_metrics(rollout_stats))
+        m["perf/rollout_idle_frac"] = sum(s["perf/rollout_idle_frac"] for s in rollout_stats) / len(rollout_stats)
+        m.setdefault("samples/produced", self.next_ticket * self.cfg.rollout.group_size)
+        m.setdefault("samples/dropped_stale", 0)
+        m.setdefault("queue/size", 0)
+        m.update(extra or {})
+        return m
+
+    def maybe_evaluate(self, force: bool = False) -> dict:
+        e = self.cfg.eval
+        due = (e.every and self.step % e.every == 0) or (force and e.at_start_and_end)
+        if not due:
+            return {}
+        result = ray.get(self.trainers[0].evaluate.remote(self.step), timeout=3600)
+        self.log.log_images(self.step, "eval", result["images"], result["captions"])
+        return result["metrics"]
+
+    def maybe_save_samples(self, groups: list[Group]) -> None:
+        every = self.cfg.trainer.sample_every
+        if every and self.step % every == 0:
+            images = torch.cat([g.images for g in groups])[:32]
+            captions = [g.prompt for g in groups for _ in range(g.size)][:32]
+            self.log.log_images(self.step, "rollout", images, captions)
+
+    def save_checkpoint(self, extra_state: dict | None = None) -> str:
+        path = os.path.join(self.cfg.trainer.output_dir, "checkpoints", f"step_{self.step:06d}")
+        os.makedirs(path, exist_ok=True)
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "next_ticket": self.next_ticket,
+            "consumed_samples": self.consumed_samples,
+            "learner": ray.get(self.trainers[0].state_dict.remote(), timeout=600),
+            **(extra_state or {}),
+        }
+        torch.save(state, os.path.join(path, "state.pt"))
+        ray.get(self.trainers[0].save_adapter.remote(os.path.join(path, "weights")), timeout=600)
+        return path
+
+    def resume_if_asked(self) -> dict:
+        resume = self.cfg.trainer.resume
+        if not resume:
+            self.resumed_state = {}
+            return {}
+        path = latest_checkpoint(self.cfg.trainer.output_dir) if resume == "latest" else resume
+        if path is None:
+            raise PipelineError(f"trainer.resume=latest: no checkpoint under {self.cfg.trainer.output_dir}/checkpoints")
+        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        ray.get([t.load_state_dict.remote(state["learner"]) for t in self.trainers], timeout=600)
+        self.step, self.version = state["step"], state["version"]
+        self.next_ticket, self.consumed_samples = state["next_ticket"], state["consumed_samples"]
+        self.resumed_state = state
+        logger.info("resumed from %s at step %d", path, self.step)
+        return state
+
+    def checkpoint_due(self) -> bool:
+        every = self.cfg.trainer.checkpoint_every
+        return bool(every) and self.step % every == 0
+
+    def shutdown(self) -> None:
+        for actor in self.rollouts + self.trainers:
+            ray.kill(actor)
+        remove_placement_group(self.placement)
+        self.log.close()

@@ -1,0 +1,207 @@
+"""Rollout worker: engine + reward + version stamping + staged weight updates.
+
+`RolloutWorker` is a plain class (testable without Ray); `RolloutActor` at the bottom is the thin
+Ray shell. The worker never blocks on weight sync: received weights are *staged* (by the actor's
+sync thread) and swapped in at a safe point — before a denoising step (`between_steps`, the
+in-flight update: steps after the switch carry the new version) or before a group
+(`between_groups`). Nothing is aborted or regenerated.
+
+Ticket = the global index of a started group. It fixes the group's prompt (prompt stream index)
+and its seed, so which worker generates a group never changes what is generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+import ray
+import torch
+
+from async_flowgrpo.config import Config
+from async_flowgrpo.prompts import PromptStream, load_prompts
+from async_flowgrpo.rewards import CombinedReward, RewardError
+from async_flowgrpo.types import Group
+
+logger = logging.getLogger(__name__)
+
+
+def group_seed(base_seed: int, ticket: int) -> int:
+    return (base_seed * 1_000_003 + ticket) % (2**62)
+
+
+def build_engine(cfg: Config, device: str | None = None):
+    """The rollout engine named by rollout.engine (vllm-omni is imported only when chosen)."""
+    from async_flowgrpo.rollout.engine import DiffusersEngine, engine_kwargs
+
+    if cfg.rollout.engine == "vllm_omni":
+        from async_flowgrpo.rollout.vllm_omni import VllmOmniEngine
+
+        return VllmOmniEngine(**engine_kwargs(cfg, device))
+    return DiffusersEngine(**engine_kwargs(cfg, device))
+
+
+class RolloutWorker:
+    def __init__(self, cfg: Config, worker_id: int = 0, engine: Any = None):
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.engine = engine if engine is not None else build_engine(cfg)
+        self.reward = CombinedReward(cfg.reward.weights)
+        self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed)
+        self.version = 0
+        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # counters reported through stats()
+        self.groups_generated = 0
+        self.reward_errors = 0
+        self.consecutive_reward_failures = 0
+        self.last_reward_error = ""
+        self.inflight_updates = 0  # weight swaps that happened inside a trajectory
+        self.busy_s = 0.0
+        self._window_start = time.perf_counter()
+        self._window_busy = 0.0
+
+    # -- weights -----------------------------------------------------------------------------
+    def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Called from the sync thread; the generation thread swaps them in at its next safe point."""
+        with self._lock:
+            self._staged = (state, version)
+
+    def apply_staged(self) -> bool:
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is None:
+            return False
+        state, version = staged
+        self.engine.load_weights(state, version)
+        self.version = version
+        return True
+
+    def _between_steps(self) -> int:
+        if self.apply_staged():
+            self.inflight_updates += 1
+        return self.version
+
+    # -- generation --------------------------------------------------------------------------
+    def generate_group(self, ticket: int, in_flight: bool) -> Group | None:
+        """Generate and score the group for `ticket`; None when its reward failed (counted)."""
+        self.apply_staged()  # a group always starts with the newest weights we hold
+        prompt = self.prompts.prompt_at(ticket)
+        start = time.perf_counter()
+        group = self.engine.generate(
+            [prompt.text],
+            self.cfg.rollout.group_size,
+            seed=group_seed(self.cfg.rollout.seed, ticket),
+            version_fn=self._between_steps if in_flight else (lambda: self.version),
+            prompt_indices=[ticket],
+            metadata=[prompt.metadata],
+        )[0]
+        group.worker_id = self.worker_id
+        try:
+            n = group.size
+            group.rewards, group.reward_components = self.reward(group.images, [prompt.text] * n, [prompt.metadata] * n)
+            self.consecutive_reward_failures = 0
+        except RewardError as e:
+            self.reward_errors += 1
+            self.consecutive_reward_failures += 1
+            self.last_reward_error = str(e)
+            logger.warning("worker %d: skipping group %d: %s", self.worker_id, ticket, e)
+            group = None
+        elapsed = time.perf_counter() - start
+        self.busy_s += elapsed
+        self._window_busy += elapsed
+        if group is not None:
+            group.time_generate_s = elapsed
+            self.groups_generated += 1
+        if self.consecutive_reward_failures >= self.cfg.reward.max_consecutive_failures:
+            raise RuntimeError(
+                f"rollout worker {self.worker_id}: {self.consecutive_reward_failures} consecutive reward failures "
+                f"(reward.max_consecutive_failures); last: {self.last_reward_error}"
+            )
+        return group
+
+    def generate(self, tickets: list[int]) -> list[Group | None]:
+        """Batch mode (sync, one_step_off): weights are fixed for the whole call."""
+        return [self.generate_group(t, in_flight=False) for t in tickets]
+
+    def run(self, queue, poll_s: float = 1.0) -> dict:
+        """Fully async mode: take admission tickets from the queue and stream groups into it."""
+        in_flight = self.cfg.sync.update_point == "between_steps"
+        while not self._stop.is_set():
+            ticket = ray.get(queue.acquire_ticket.remote(self.worker_id, poll_s))
+            if ticket is None:
+                continue  # timed out waiting for admission: re-check the stop flag
+            if ticket < 0:
+                break  # queue shut down
+            group = self.generate_group(ticket, in_flight)
+            if group is None:
+                ray.get(queue.release_start.remote())
+                continue
+            while not ray.get(queue.put.remote(group, poll_s)):
+                if self._stop.is_set():
+                    ray.get(queue.release_start.remote())
+                    return self.stats()
+        return self.stats()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict[str, float]:
+        """Counters, and the busy fraction since the previous call (rollout idle = 1 - busy)."""
+        now = time.perf_counter()
+        window = max(now - self._window_start, 1e-9)
+        busy_frac = min(self._window_busy / window, 1.0)
+        self._window_start, self._window_busy = now, 0.0
+        return {
+            "rollout/groups": self.groups_generated,
+            "rewards/errors": self.reward_errors,
+            "rollout/inflight_updates": self.inflight_updates,
+            "rollout/aborted": 0,  # updates never abort a trajectory
+            "rollout/version": self.version,
+            "perf/rollout_idle_frac": 1.0 - busy_frac,
+        }
+
+
+@ray.remote(concurrency_groups={"sync": 1, "control": 1})
+class RolloutActor:
+    """Ray shell: generation on the default thread, weight receive on the "sync" thread."""
+
+    def __init__(self, cfg: Config, worker_id: int, transport):
+        self.worker = RolloutWorker(cfg, worker_id)
+        self.receiver = transport.receiver()
+
+    def ready(self) -> bool:
+        return True
+
+    @ray.method(concurrency_group="sync")
+    def sync_connect(self, address, rank: int, world_size: int) -> None:
+        self.receiver.connect(address, rank, world_size)
+
+    @ray.method(concurrency_group="sync")
+    def pull(self, handle: list) -> dict:
+        result = self.receiver.receive(handle[0])
+        self.worker.stage_weights(result.state, result.version)
+        return {"version": result.version, "seconds": result.stats.seconds, "digest": result.stats.digest}
+
+    def generate(self, tickets: list[int]) -> list[Group | None]:
+        return self.worker.generate(tickets)
+
+    def run(self, queue) -> dict:
+        return self.worker.run(queue)
+
+    @ray.method(concurrency_group="control")
+    def stop(self) -> None:
+        self.worker.stop()
+
+    @ray.method(concurrency_group="control")
+    def stats(self) -> dict[str, float]:
+        return self.worker.stats()
+
+    @ray.method(concurrency_group="control")
+    def weights_digest(self) -> str:
+        from async_flowgrpo.sync import digest
+
+        return digest(self.worker.engine.trainable_state())
