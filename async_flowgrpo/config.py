@@ -101,6 +101,8 @@ class SyncConfig:
 @dataclass
 class RewardConfig:
     weights: dict[str, float] = field(default_factory=lambda: {"shapes": 1.0})
+    # per-reward keyword options, e.g. {pickscore: {path: /models/PickScore_v1, processor_path: /models/CLIP-ViT-H-14}}
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_workers: int = 0  # 0 = score inside the rollout actor; >0 = a pool of reward actors
     timeout_s: float = 300.0
     max_consecutive_failures: int = 5
@@ -298,6 +300,8 @@ def validate(c: Config) -> None:
     _require(len(w.weights) > 0, "reward.weights", "name at least one reward")
     for name in w.weights:
         _require(name in available_rewards(), f"reward.weights.{name}", f"unknown reward (available: {', '.join(available_rewards())})")
+    for name in w.options:
+        _require(name in w.weights, f"reward.options.{name}", "has no weight in reward.weights")
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
     _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _require(w.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")

@@ -8,7 +8,9 @@ so that importing the registry never imports a heavy reward model.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 from typing import Callable, Union
 
 import torch
@@ -20,6 +22,13 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "jpeg_compressibility": "async_flowgrpo.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "async_flowgrpo.rewards.jpeg:jpeg_incompressibility",
     "shapes": "async_flowgrpo.shapes.reward:shapes_reward",
+    # model / service rewards: local paths and URLs come from keyword options or env vars
+    "clip_score": "async_flowgrpo.rewards.clip_score:clip_score",
+    "pickscore": "async_flowgrpo.rewards.clip_score:pickscore",
+    "aesthetic": "async_flowgrpo.rewards.aesthetic:aesthetic",
+    "remote": "async_flowgrpo.rewards.remote:remote",
+    "ocr": "async_flowgrpo.rewards.remote:ocr",
+    "geneval": "async_flowgrpo.rewards.remote:geneval",
 }
 
 
@@ -45,7 +54,8 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_reward(name: str) -> RewardFn:
+def get_reward(name: str, **options) -> RewardFn:
+    """The reward registered as `name`, with keyword `options` bound (e.g. a local model path)."""
     if name not in _REGISTRY:
         raise KeyError(f"unknown reward '{name}' (available: {', '.join(available_rewards())})")
     entry = _REGISTRY[name]
@@ -53,17 +63,27 @@ def get_reward(name: str) -> RewardFn:
         module, attr = entry.split(":")
         entry = getattr(importlib.import_module(module), attr)
         _REGISTRY[name] = entry
-    return entry
+    if not options:
+        return entry
+    try:
+        inspect.signature(entry).bind_partial(None, None, None, **options)
+    except TypeError as e:
+        raise TypeError(f"reward '{name}' does not take option(s) {', '.join(sorted(options))}: {e}") from None
+    return functools.partial(entry, **options)
 
 
 class CombinedReward:
     """Weighted sum of registered rewards. Returns (score [n], components {name: [n]})."""
 
-    def __init__(self, weights: dict[str, float]):
+    def __init__(self, weights: dict[str, float], options: dict[str, dict] | None = None):
         if not weights:
             raise ValueError("reward.weights is empty: name at least one reward")
         self.weights = dict(weights)
-        self.fns = {name: get_reward(name) for name in self.weights}
+        options = {name: dict(opts or {}) for name, opts in (options or {}).items()}
+        extra = sorted(set(options) - set(self.weights))
+        if extra:
+            raise ValueError(f"reward.options names rewards without a weight: {', '.join(extra)}")
+        self.fns = {name: get_reward(name, **options.get(name, {})) for name in self.weights}
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         n = images.shape[0]

@@ -1,0 +1,179 @@
+"""Rewards served over HTTP (OCR, GenEval, ... servers), stdlib only.
+
+Request:  POST <url>, Content-Type: application/json,
+          {"prompts": [str]*n, "metadata": [dict]*n, "images": [base64 PNG]*n}
+Response: {"scores": [float]*n, <other>: [number]*n, ...}
+          "scores" is the reward; every other list of n numbers is returned as the component
+          "<name>/<other>"; other keys (strings, nested objects) are ignored.
+
+Connection errors, timeouts, HTTP 5xx and 429 are retried `retries` times with exponential backoff
+(backoff_s, 2*backoff_s, ...); other HTTP errors and malformed responses fail at once. Every error
+names the URL.
+
+Keyword options (`reward.options.<name>`):
+    url         the endpoint (or the env var: $ASYNC_FLOWGRPO_REMOTE_URL, _OCR_URL, _GENEVAL_URL)
+    timeout_s   per attempt (default 60)
+    retries     extra attempts after the first (default 2)
+    backoff_s   first backoff (default 1.0)
+    headers     extra HTTP headers, e.g. {"Authorization": "Bearer ..."}
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import math
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+from typing import Optional
+
+import torch
+from PIL import Image
+
+ENV_REMOTE = "ASYNC_FLOWGRPO_REMOTE_URL"
+ENV_OCR = "ASYNC_FLOWGRPO_OCR_URL"
+ENV_GENEVAL = "ASYNC_FLOWGRPO_GENEVAL_URL"
+
+
+class RemoteRewardError(RuntimeError):
+    """The reward server could not be reached or answered something unusable."""
+
+
+def encode_png(image) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def decode_png(data: str):
+    """The inverse of encode_png (a uint8 numpy array [H, W, 3]); for servers and tests."""
+    import numpy as np
+
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
+
+
+def _payload(images: torch.Tensor, prompts: list, metadata: list) -> bytes:
+    body = {
+        "prompts": [str(p) for p in prompts],
+        "metadata": [dict(m) if m is not None else {} for m in metadata],
+        "images": [encode_png(img) for img in images.detach().cpu().numpy()],
+    }
+    return json.dumps(body, default=str).encode("utf-8")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float))  # bools count (e.g. GenEval's per-image "correct")
+
+
+def _post(url: str, data: bytes, headers: dict, timeout_s: float, retries: int, backoff_s: float) -> bytes:
+    hdrs = {"Content-Type": "application/json", "Accept": "application/json", **{str(k): str(v) for k, v in headers.items()}}
+    last = ""
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff_s * 2 ** (attempt - 1))
+        req = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return resp.read()
+        except urllib.error.HTTPError as e:
+            detail = e.read(200).decode("utf-8", "replace").strip().replace("\n", " ")
+            last = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
+            if e.code < 500 and e.code != 429:
+                raise RemoteRewardError(f"{url}: {last}") from None
+        except (socket.timeout, TimeoutError) as e:
+            last = f"timed out after {timeout_s:g}s ({type(e).__name__})"
+        except urllib.error.URLError as e:
+            reason = e.reason
+            if isinstance(reason, (socket.timeout, TimeoutError)):
+                last = f"timed out after {timeout_s:g}s"
+            else:
+                last = f"{type(reason).__name__}: {reason}"
+        except (OSError, http.client.HTTPException) as e:  # reset mid-response, remote closed, ...
+            last = f"{type(e).__name__}: {e}"
+    raise RemoteRewardError(f"{url}: failed after {retries + 1} attempt(s): {last}")
+
+
+def _parse(url: str, raw: bytes, n: int, name: str) -> dict:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RemoteRewardError(f"{url}: malformed response (not JSON: {e}): {raw[:80]!r}") from None
+    if not isinstance(body, dict) or "scores" not in body:
+        keys = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise RemoteRewardError(f"{url}: malformed response: no 'scores' list (got {keys})")
+    out = {}
+    for key, value in body.items():
+        is_numeric_list = isinstance(value, list) and all(_is_number(v) for v in value)
+        if key == "scores":
+            if not isinstance(value, list) or not is_numeric_list:
+                raise RemoteRewardError(f"{url}: malformed response: 'scores' must be a list of numbers")
+        elif not is_numeric_list:
+            continue
+        if len(value) != n:
+            raise RemoteRewardError(f"{url}: malformed response: '{key}' has {len(value)} values for {n} images")
+        t = torch.tensor([float(v) for v in value], dtype=torch.float32)
+        if key == "scores" and not all(math.isfinite(v) for v in t.tolist()):
+            raise RemoteRewardError(f"{url}: malformed response: non-finite score")
+        out["score" if key == "scores" else f"{name}/{key}"] = t
+    return out
+
+
+def remote_reward(
+    images: torch.Tensor,
+    prompts: list,
+    metadata: list,
+    *,
+    url: Optional[str] = None,
+    timeout_s: float = 60.0,
+    retries: int = 2,
+    backoff_s: float = 1.0,
+    headers: Optional[dict] = None,
+    name: str = "remote",
+    env: str = ENV_REMOTE,
+) -> dict:
+    """POST the batch to `url`; returns {"score": [n], "<name>/<component>": [n], ...}."""
+    url = url or os.environ.get(env)
+    if not url:
+        raise RemoteRewardError(f"{name}: no URL given: set reward.options.{name}.url or ${env}")
+    if not str(url).startswith(("http://", "https://")):
+        raise RemoteRewardError(f"{name}: url must start with http:// or https://, got '{url}'")
+    if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0:
+        raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0")
+    n = images.shape[0]
+    if len(prompts) != n or len(metadata) != n:
+        raise ValueError(f"{name}: {len(prompts)} prompts / {len(metadata)} metadata for {n} images")
+    if n == 0:
+        return {"score": torch.zeros(0)}
+    raw = _post(str(url), _payload(images, prompts, metadata), dict(headers or {}), float(timeout_s), int(retries), float(backoff_s))
+    return _parse(str(url), raw, n, name)
+
+
+def remote(
+    images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None, name="remote"
+) -> dict:
+    """Generic HTTP reward: url from the option or $ASYNC_FLOWGRPO_REMOTE_URL; components "<name>/<key>"."""
+    return remote_reward(
+        images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+        headers=headers, name=name, env=ENV_REMOTE,
+    )
+
+
+def ocr(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None) -> dict:
+    """An OCR reward server: url from the option or $ASYNC_FLOWGRPO_OCR_URL."""
+    return remote_reward(
+        images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+        headers=headers, name="ocr", env=ENV_OCR,
+    )
+
+
+def geneval(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None) -> dict:
+    """A GenEval reward server: url from the option or $ASYNC_FLOWGRPO_GENEVAL_URL."""
+    return remote_reward(
+        images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+        headers=headers, name="geneval", env=ENV_GENEVAL,
+    )
