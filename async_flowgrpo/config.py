@@ -113,6 +113,7 @@ class EvalConfig:
     every: int = 10  # trainer steps between evaluations; 0 = never (still runs at start and end if enabled)
     prompts: str = "shapes_eval"
     num_steps: int = 20
+    samples_per_prompt: int = 2
     guidance_scale: float = 4.5
     seed: int = 1234
     at_start_and_end: bool = True
@@ -177,6 +178,12 @@ def load_config(mode: str, args: list[str] | None = None, config_dir: str = CONF
                 raise ConfigError(f"config file not found: {path}")
             cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        for override in overrides:
+            # A whole-dict value (reward.weights={jpeg_incompressibility: 1.0}) replaces the
+            # dict; a plain merge would keep the base file's entries too.
+            key, value = override.split("=", 1)
+            if value.lstrip().startswith("{"):
+                OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
         config: Config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
@@ -309,6 +316,7 @@ def validate(c: Config) -> None:
     e = c.eval
     _require(e.every >= 0, "eval.every", "must be >= 0")
     _require(e.num_steps >= 1, "eval.num_steps", "must be >= 1")
+    _require(e.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
     _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
     _require(c.ray.connect_timeout_s > 0, "ray.connect_timeout_s", "must be > 0")
     for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import logging
-import math
 import os
 import socket
 import time
@@ -19,7 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from async_flowgrpo import algo
-from async_flowgrpo.config import Config, to_yaml
+from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
 from async_flowgrpo.rollout.worker import RolloutActor
 from async_flowgrpo.sync import free_port, make_transport, node_ip
@@ -185,24 +184,23 @@ class Pipeline:
         advantages, zero_std = algo.group_advantages(rewards, group_ids, global_std=a.global_std, mean_only=a.mean_only)
         for i, g in enumerate(groups):
             g.advantages = advantages[group_ids == i]
-        metrics = {
+        batch_metrics = {
             "reward/mean": rewards.mean().item(),
             "reward/std": rewards.std(correction=0).item(),
             "reward/zero_std_frac": algo.zero_std_fraction(rewards, group_ids),
         }
         for name in groups[0].reward_components:
-            metrics[f"reward/{name}"] = torch.cat([g.reward_components[name] for g in groups]).mean().item()
+            batch_metrics[f"reward/{name}"] = torch.cat([g.reward_components[name] for g in groups]).mean().item()
         if a.drop_zero_std:
             kept = [g for i, g in enumerate(groups) if not zero_std[group_ids == i].all()]
-            metrics["samples/dropped_zero_std"] = sum(g.size for g in groups) - sum(g.size for g in kept)
+            batch_metrics["samples/dropped_zero_std"] = sum(g.size for g in groups) - sum(g.size for g in kept)
             groups = kept
         n = len(self.trainers)
         if len(groups) < n:  # nothing (or too little) to learn from: keep the weights, count it
-            metrics["train/skipped_short_batch"] = 1.0
-            return metrics
+            return {**batch_metrics, "train/skipped_short_batch": 1.0}
         shards = [groups[i::n] for i in range(n)]
         per_rank = ray.get([tr.train_step.remote(shard, self.version) for tr, shard in zip(self.trainers, shards)], timeout=3600)
-        metrics.update(reduce_metrics(per_rank))
+        metrics = {**reduce_metrics(per_rank), **batch_metrics}  # batch-wide reward stats, not per-shard means
         self.consumed_samples += sum(g.size for g in groups)
         self.step += 1
         self.version += 1
@@ -260,7 +258,7 @@ class Pipeline:
             **(extra_state or {}),
         }
         torch.save(state, os.path.join(path, "state.pt"))
-        ray.get(self.trainers[0].save_adapter.remote(os.path.join(path, "weights")), timeout=600)
+        ray.get(self.trainers[0].save_weights.remote(os.path.join(path, "weights")), timeout=600)
         return path
 
     def resume_if_asked(self) -> dict:

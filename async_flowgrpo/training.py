@@ -15,6 +15,9 @@ import torch
 import torch.distributed as dist
 
 from async_flowgrpo.config import Config
+from async_flowgrpo.gpu_monitor import GpuMonitor
+from async_flowgrpo.rollout.worker import build_policy
+from async_flowgrpo.trainer import Learner
 from async_flowgrpo.types import Group
 
 
@@ -31,11 +34,28 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
         offset += n
 
 
+def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
+    a, t = cfg.algorithm, cfg.trainer
+    policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0)
+    return Learner(
+        policy,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        clip_range=a.clip_range,
+        adv_clip=a.adv_clip,
+        is_cap=a.is_cap,
+        beta=a.beta,
+        prox_mode=a.prox_mode,
+        micro_batch_size=t.micro_batch_size,
+        mini_batches=t.mini_batches,
+        grad_all_reduce=grad_all_reduce,
+    )
+
+
 @ray.remote
 class TrainerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, dp_address: tuple[str, int], transport):
-        from async_flowgrpo.rollout.engine import build_learner
-
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         torch.manual_seed(cfg.trainer.seed + rank)
         if world_size > 1:
@@ -44,6 +64,7 @@ class TrainerActor:
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
         self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if world_size > 1 else None)
         self.sender = transport.sender() if rank == 0 else None
+        self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
         self._busy = 0.0
         self._window_start = time.perf_counter()
 
@@ -55,7 +76,7 @@ class TrainerActor:
         start = time.perf_counter()
         metrics = self.learner.train_step(groups, version)
         self._busy += time.perf_counter() - start
-        return metrics
+        return {**metrics, **self.gpu.read()}
 
     def idle_fraction(self) -> float:
         now = time.perf_counter()
@@ -93,6 +114,15 @@ class TrainerActor:
     def load_state_dict(self, state: dict) -> None:
         self.learner.load_state_dict(state)
 
-    def save_adapter(self, path: str) -> None:
+    def save_weights(self, path: str) -> None:
+        """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer."""
+        policy = self.learner.policy
+        transformer = policy.adapter.transformer
         os.makedirs(path, exist_ok=True)
-        self.learner.policy.save_trainable(path)
+        if policy.lora_rank > 0:
+            from diffusers import StableDiffusion3Pipeline
+            from peft.utils import get_peft_model_state_dict
+
+            StableDiffusion3Pipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer))
+        else:
+            transformer.save_pretrained(os.path.join(path, "transformer"))

@@ -1,10 +1,10 @@
-"""Rollout worker: engine + reward + version stamping + staged weight updates.
+"""Rollout worker: engine + reward + prompt tickets; the Ray actor that streams groups.
 
 `RolloutWorker` is a plain class (testable without Ray); `RolloutActor` at the bottom is the thin
-Ray shell. The worker never blocks on weight sync: received weights are *staged* (by the actor's
-sync thread) and swapped in at a safe point — before a denoising step (`between_steps`, the
-in-flight update: steps after the switch carry the new version) or before a group
-(`between_groups`). Nothing is aborted or regenerated.
+Ray shell. The worker never blocks on weight sync: received weights are *staged* by the actor's
+sync thread and the engine swaps them in at a safe point — before a denoising step
+(`between_steps`, the in-flight update: steps after the switch carry the new version) or before a
+group (`between_groups`). Nothing is aborted or regenerated.
 
 Ticket = the global index of a started group. It fixes the group's prompt (prompt stream index)
 and its seed, so which worker generates a group never changes what is generated.
@@ -32,74 +32,90 @@ def group_seed(base_seed: int, ticket: int) -> int:
     return (base_seed * 1_000_003 + ticket) % (2**62)
 
 
-def build_engine(cfg: Config, device: str | None = None):
-    """The rollout engine named by rollout.engine (vllm-omni is imported only when chosen)."""
-    from async_flowgrpo.rollout.engine import DiffusersEngine, engine_kwargs
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+def model_dtype(cfg: Config) -> torch.dtype | None:
+    return DTYPES.get(cfg.model.dtype)  # "auto" -> None: the policy picks bf16 on CUDA, fp32 on CPU
+
+
+def build_policy(cfg: Config, **kwargs):
+    from async_flowgrpo.config import resolve_model_path
+    from async_flowgrpo.policy import DiffusionPolicy
+
+    return DiffusionPolicy(
+        resolve_model_path(cfg.model.path),
+        device="cuda" if torch.cuda.is_available() else "cpu",
+        dtype=model_dtype(cfg),
+        lora_rank=cfg.model.lora_rank,
+        lora_alpha=cfg.model.lora_alpha,
+        lora_init_seed=cfg.trainer.seed,
+        **kwargs,
+    )
+
+
+def build_engine(cfg: Config, update_point: str):
+    """The rollout engine named by rollout.engine (vllm-omni is imported only when chosen)."""
     if cfg.rollout.engine == "vllm_omni":
         from async_flowgrpo.rollout.vllm_omni import VllmOmniEngine
 
-        return VllmOmniEngine(**engine_kwargs(cfg, device))
-    return DiffusersEngine(**engine_kwargs(cfg, device))
+        return VllmOmniEngine.from_config(cfg, update_point=update_point)
+    from async_flowgrpo.rollout.engine import DiffusersEngine
+
+    return DiffusersEngine(build_policy(cfg), update_point=update_point)
 
 
 class RolloutWorker:
-    def __init__(self, cfg: Config, worker_id: int = 0, engine: Any = None):
+    """update_point: "between_steps" (in-flight updates, fully_async) or "between_groups"."""
+
+    def __init__(self, cfg: Config, worker_id: int = 0, engine: Any = None, update_point: str | None = None):
         self.cfg = cfg
         self.worker_id = worker_id
-        self.engine = engine if engine is not None else build_engine(cfg)
-        self.reward = CombinedReward(cfg.reward.weights)
+        update_point = update_point or (cfg.sync.update_point if cfg.mode == "fully_async" else "between_groups")
+        self.engine = engine if engine is not None else build_engine(cfg, update_point)
+        self.reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
         self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed)
-        self.version = 0
-        self._staged: tuple[dict[str, torch.Tensor], int] | None = None
-        self._lock = threading.Lock()
+        r = cfg.rollout
+        self.sampling = dict(
+            num_steps=r.num_steps,
+            guidance_scale=r.guidance_scale,
+            noise_level=r.noise_level,
+            sde_type=r.sde_type,
+            window_size=r.sde_window_size or r.num_steps - 1,
+            window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
+            height=r.resolution or None,
+            width=r.resolution or None,
+        )
         self._stop = threading.Event()
         # counters reported through stats()
         self.groups_generated = 0
         self.reward_errors = 0
         self.consecutive_reward_failures = 0
         self.last_reward_error = ""
-        self.inflight_updates = 0  # weight swaps that happened inside a trajectory
-        self.busy_s = 0.0
+        self.inflight_updates = 0  # groups whose steps carry two or more weight versions
         self._window_start = time.perf_counter()
         self._window_busy = 0.0
 
-    # -- weights -----------------------------------------------------------------------------
     def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Called from the sync thread; the generation thread swaps them in at its next safe point."""
-        with self._lock:
-            self._staged = (state, version)
-
-    def apply_staged(self) -> bool:
-        with self._lock:
-            staged, self._staged = self._staged, None
-        if staged is None:
-            return False
-        state, version = staged
-        self.engine.load_weights(state, version)
-        self.version = version
-        return True
-
-    def _between_steps(self) -> int:
-        if self.apply_staged():
-            self.inflight_updates += 1
-        return self.version
+        """Called from the sync thread; the engine swaps them in at its next safe point."""
+        self.engine.stage_weights(state, version)
 
     # -- generation --------------------------------------------------------------------------
-    def generate_group(self, ticket: int, in_flight: bool) -> Group | None:
+    def generate_group(self, ticket: int) -> Group | None:
         """Generate and score the group for `ticket`; None when its reward failed (counted)."""
-        self.apply_staged()  # a group always starts with the newest weights we hold
         prompt = self.prompts.prompt_at(ticket)
         start = time.perf_counter()
         group = self.engine.generate(
             [prompt.text],
             self.cfg.rollout.group_size,
-            seed=group_seed(self.cfg.rollout.seed, ticket),
-            version_fn=self._between_steps if in_flight else (lambda: self.version),
+            group_seed(self.cfg.rollout.seed, ticket),
             prompt_indices=[ticket],
             metadata=[prompt.metadata],
+            **self.sampling,
         )[0]
         group.worker_id = self.worker_id
+        if group.versions.numel() and group.versions.min() != group.versions.max():
+            self.inflight_updates += 1
         try:
             n = group.size
             group.rewards, group.reward_components = self.reward(group.images, [prompt.text] * n, [prompt.metadata] * n)
@@ -111,7 +127,6 @@ class RolloutWorker:
             logger.warning("worker %d: skipping group %d: %s", self.worker_id, ticket, e)
             group = None
         elapsed = time.perf_counter() - start
-        self.busy_s += elapsed
         self._window_busy += elapsed
         if group is not None:
             group.time_generate_s = elapsed
@@ -124,19 +139,18 @@ class RolloutWorker:
         return group
 
     def generate(self, tickets: list[int]) -> list[Group | None]:
-        """Batch mode (sync, one_step_off): weights are fixed for the whole call."""
-        return [self.generate_group(t, in_flight=False) for t in tickets]
+        """Batch mode (sync, one_step_off): the driver hands out the tickets."""
+        return [self.generate_group(t) for t in tickets]
 
     def run(self, queue, poll_s: float = 1.0) -> dict:
         """Fully async mode: take admission tickets from the queue and stream groups into it."""
-        in_flight = self.cfg.sync.update_point == "between_steps"
         while not self._stop.is_set():
             ticket = ray.get(queue.acquire_ticket.remote(self.worker_id, poll_s))
             if ticket is None:
-                continue  # timed out waiting for admission: re-check the stop flag
+                continue  # no admission yet: re-check the stop flag
             if ticket < 0:
                 break  # queue shut down
-            group = self.generate_group(ticket, in_flight)
+            group = self.generate_group(ticket)
             if group is None:
                 ray.get(queue.release_start.remote())
                 continue
@@ -152,15 +166,14 @@ class RolloutWorker:
     def stats(self) -> dict[str, float]:
         """Counters, and the busy fraction since the previous call (rollout idle = 1 - busy)."""
         now = time.perf_counter()
-        window = max(now - self._window_start, 1e-9)
-        busy_frac = min(self._window_busy / window, 1.0)
+        busy_frac = min(self._window_busy / max(now - self._window_start, 1e-9), 1.0)
         self._window_start, self._window_busy = now, 0.0
         return {
             "rollout/groups": self.groups_generated,
             "rewards/errors": self.reward_errors,
             "rollout/inflight_updates": self.inflight_updates,
-            "rollout/aborted": 0,  # updates never abort a trajectory
-            "rollout/version": self.version,
+            "rollout/aborted": 0,  # weight updates never abort a trajectory
+            "rollout/version": self.engine.version,
             "perf/rollout_idle_frac": 1.0 - busy_frac,
         }
 
@@ -170,8 +183,11 @@ class RolloutActor:
     """Ray shell: generation on the default thread, weight receive on the "sync" thread."""
 
     def __init__(self, cfg: Config, worker_id: int, transport):
+        from async_flowgrpo.gpu_monitor import GpuMonitor
+
         self.worker = RolloutWorker(cfg, worker_id)
         self.receiver = transport.receiver()
+        self.gpu = GpuMonitor().start()  # reports nothing on machines without NVIDIA GPUs
 
     def ready(self) -> bool:
         return True
@@ -198,10 +214,10 @@ class RolloutActor:
 
     @ray.method(concurrency_group="control")
     def stats(self) -> dict[str, float]:
-        return self.worker.stats()
+        return {**self.worker.stats(), **{f"rollout/{k.split('/')[-1]}": v for k, v in self.gpu.read().items()}}
 
     @ray.method(concurrency_group="control")
     def weights_digest(self) -> str:
         from async_flowgrpo.sync import digest
 
-        return digest(self.worker.engine.trainable_state())
+        return digest(self.worker.engine.policy.trainable_state())

@@ -1,0 +1,434 @@
+"""Replay queue, admission control and the Ray queue actor (async_flowgrpo.queue)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import threading
+import time
+
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import pytest
+import ray
+import torch
+
+from async_flowgrpo.queue import QueueActor, ReplayQueue, StalenessController, make_queue_actor
+from async_flowgrpo.types import Group, SamplingParams
+
+T = 30  # timeout on every ray.get
+
+
+def make_group(index: int, version: int | list[int] = 0, n: int = 2) -> Group:
+    versions = torch.tensor(version if isinstance(version, list) else [version], dtype=torch.long)
+    w = len(versions)
+    return Group(
+        prompt=f"p{index}",
+        prompt_index=index,
+        metadata={},
+        params=SamplingParams(2, 1.0, 0.7, "sde", 0, w, 2, 2),
+        latents=torch.zeros(n, w + 1, 1, 2, 2),
+        sigmas=torch.zeros(w + 1),
+        log_probs=torch.zeros(n, w),
+        versions=versions,
+        images=torch.zeros(n, 2, 2, 3, dtype=torch.uint8),
+        prompt_embeds=torch.zeros(1, 2),
+        pooled_prompt_embeds=torch.zeros(2),
+    )
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def actor(ray_cluster):
+    """Factory for queue actors that are killed after the test."""
+    made = []
+
+    def make(capacity=8, groups_per_step=2, max_staleness=1, drop_policy="block"):
+        a = make_queue_actor(capacity, groups_per_step, max_staleness, drop_policy)
+        made.append(a)
+        return a
+
+    yield make
+    for a in made:
+        ray.kill(a)
+
+
+def pending(ref, wait_s: float = 0.4) -> bool:
+    """True if `ref` is still unresolved after wait_s (the call is blocked)."""
+    ready, _ = ray.wait([ref], timeout=wait_s)
+    return not ready
+
+
+# ---------------------------------------------------------------- plain classes
+
+
+def test_fifo_order_plain():
+    q = ReplayQueue(capacity=10)
+    for i in range(5):
+        q.put(make_group(i))
+    assert [g.prompt_index for g in q.take(3)] == [0, 1, 2]
+    q.put(make_group(5))
+    assert [g.prompt_index for g in q.take(3)] == [3, 4, 5]
+    with pytest.raises(RuntimeError):
+        q.take(1)
+
+
+def test_capacity_plain():
+    q = ReplayQueue(capacity=2)
+    q.put(make_group(0))
+    q.put(make_group(1))
+    assert q.full
+    with pytest.raises(RuntimeError):
+        q.put(make_group(2))
+
+
+def test_controller_limit_and_release():
+    c = StalenessController(groups_per_step=2, max_staleness=1)
+    for _ in range(4):  # (0 + 1 + 1) * 2
+        assert c.can_start()
+        c.start()
+    assert not c.can_start()
+    with pytest.raises(RuntimeError):
+        c.start()
+    c.release()  # a started group will never come: its slot is free again
+    assert c.can_start()
+    c.start()
+    c.set_version(1)
+    assert c.limit == 6 and c.admitted == 4
+    with pytest.raises(ValueError):
+        c.set_version(0)
+    with pytest.raises(ValueError):
+        c.release(5)
+
+
+def simulate(eta: int, gps: int = 2, latency: int = 3, train_ticks: int = 2, steps: int = 12, seed: int = 0):
+    """Discrete-time trainer + producers on the plain classes; groups are delivered in start order.
+
+    Producers start as many groups as admission allows each tick (infinitely many workers), a group
+    takes `latency` ticks, the trainer takes `train_ticks` per step and publishes every step.
+    Returns the staleness of every consumed group and the max (started - consumed) seen.
+    """
+    rng = random.Random(seed)
+    c = StalenessController(gps, eta)
+    q = ReplayQueue(capacity=1000, max_staleness=eta, controller=c)
+    in_flight: list[tuple[int, Group]] = []  # (ready tick, group), in start order
+    stalenesses, ahead = [], 0
+    busy_until, step, tick, index = 0, 0, 0, 0
+    while step < steps:
+        tick += 1
+        while c.can_start():
+            c.start()
+            in_flight.append((tick + latency + rng.randint(0, 1), make_group(index, c.version)))
+            index += 1
+        # in-order delivery: a group is delivered only once all groups started before it are
+        while in_flight and in_flight[0][0] <= tick:
+            q.put(in_flight.pop(0)[1])
+        if tick >= busy_until and len(q) >= gps:
+            batch = q.take(gps)
+            stalenesses += [g.staleness(c.version) for g in batch]
+            ahead = max(ahead, c.started - q.consumed)
+            busy_until = tick + train_ticks
+            step += 1
+            c.set_version(step)
+        assert c.started == q.consumed + len(q) + len(in_flight) + c.released
+    return stalenesses, ahead
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_admission_bounds_staleness_plain(eta):
+    stalenesses, ahead = simulate(eta)
+    assert len(stalenesses) == 12 * 2
+    assert max(stalenesses) <= eta
+    # The bound is tight: fast producers run exactly eta versions ahead (catches an off-by-one).
+    assert max(stalenesses) == eta
+    # Right after consuming a batch, at most the next eta batches are already started.
+    assert ahead == eta * 2
+    if eta == 0:
+        assert set(stalenesses) == {0}
+
+
+def test_drop_policy_plain_counts_and_releases():
+    c = StalenessController(groups_per_step=1, max_staleness=1)
+    q = ReplayQueue(capacity=10, max_staleness=1, drop_policy="drop", controller=c)
+    c.start()  # A, version 0: the straggler
+    c.start()  # B, version 0
+    q.put(make_group(1, 0, n=3))  # B arrives first
+    assert [g.prompt_index for g in q.take(1)] == [1]
+    c.set_version(1)
+    c.start()  # C at version 1
+    q.put(make_group(2, 1))
+    q.take(1)
+    c.set_version(2)
+    assert c.admitted == 3  # A (in flight), B and C (consumed)
+    q.put(make_group(0, 0, n=3))  # A arrives with staleness 2 > 1
+    released_before = c.released
+    dropped = q.prune(c.version)
+    assert [g.prompt_index for g in dropped] == [0]
+    assert (q.dropped_stale, q.dropped_stale_samples) == (1, 3)
+    assert c.released == released_before + 1
+    assert len(q) == 0
+    assert q.produced == q.consumed + q.dropped_stale + q.drained + len(q)
+    assert c.started == q.consumed + len(q) + 0 + c.released
+
+
+def test_block_policy_keeps_stragglers_plain():
+    """Without "drop", a straggler overtaken by later groups is delivered (the documented limit)."""
+    q = ReplayQueue(capacity=10, max_staleness=1, drop_policy="block")
+    q.put(make_group(0, 0))
+    assert q.prune(2) == []
+    assert q.take(1)[0].staleness(2) == 2 and q.dropped_stale == 0
+
+
+def test_controller_state_dict_roundtrip():
+    c = StalenessController(groups_per_step=2, max_staleness=1)
+    for _ in range(4):
+        c.start()
+    c.release()
+    c.set_version(1)
+    c.start()
+    c.start()
+    state = c.state_dict()
+    c2 = StalenessController(groups_per_step=2, max_staleness=1)
+    c2.load_state_dict(state)
+    assert c2.state_dict() == state
+    # Resume after 2 consumed groups: the 3 queued/in-flight ones died with the old run.
+    c3 = StalenessController(groups_per_step=2, max_staleness=1)
+    c3.load_state_dict(state, consumed_groups=2)
+    assert c3.version == 1 and c3.admitted == 2
+    n = 0
+    while c3.can_start():
+        c3.start()
+        n += 1
+    assert n == (1 + 1 + 1) * 2 - 2  # as a fresh run at version 1 would: eta + 1 batches ahead
+
+
+# ---------------------------------------------------------------- Ray actor
+
+
+def test_actor_fifo_backpressure_and_get_batch(actor):
+    q = actor(capacity=3)
+    # FIFO, and put awaits while the queue is full (backpressure) until a get makes room.
+    for i in range(3):
+        assert ray.get(q.put.remote(make_group(i, 0, n=2 + i % 2)), timeout=T)
+    blocked = q.put.remote(make_group(3))
+    assert pending(blocked)
+    assert ray.get(q.put.remote(make_group(99), timeout=0.2), timeout=T) is False  # timed out: not enqueued
+    assert [g.prompt_index for g in ray.get(q.get_batch.remote(1, timeout=5), timeout=T)] == [0]
+    assert ray.get(blocked, timeout=T) is True
+    assert [g.prompt_index for g in ray.get(q.get_batch.remote(3, timeout=5), timeout=T)] == [1, 2, 3]
+    # get_batch awaits until enough groups are there.
+    ref = q.get_batch.remote(3, timeout=20)
+    ray.get([q.put.remote(make_group(i)) for i in (4, 5)], timeout=T)
+    assert pending(ref)
+    ray.get(q.put.remote(make_group(6)), timeout=T)
+    assert [g.prompt_index for g in ray.get(ref, timeout=T)] == [4, 5, 6]
+    # Timeout: all or nothing, the queue is left untouched.
+    ray.get(q.put.remote(make_group(7)), timeout=T)
+    assert ray.get(q.get_batch.remote(2, timeout=0.2), timeout=T) == []
+    with pytest.raises(ray.exceptions.RayTaskError):
+        ray.get(q.get_batch.remote(4, timeout=0.1), timeout=T)  # more than capacity: never satisfiable
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert s["queue/size"] == 1 and s["queue/size_samples"] == 2
+    assert (s["groups/produced"], s["groups/consumed"]) == (8, 7)
+    assert s["samples/produced"] == 2 + 3 + 2 + 2 * 5 and s["samples/consumed"] == s["samples/produced"] - 2
+    assert s["samples/dropped_stale"] == 0
+    assert s["queue/producer_wait_s"] >= 0.4 + 0.2 and s["queue/consumer_wait_s"] >= 0.4 + 0.2
+    # shutdown wakes a put blocked on a full queue; the group is not enqueued.
+    ray.get([q.put.remote(make_group(i)) for i in (8, 9)], timeout=T)
+    blocked = q.put.remote(make_group(10))
+    assert pending(blocked)
+    ray.get(q.shutdown.remote(), timeout=T)
+    assert ray.get(blocked, timeout=5) is False
+    assert [g.prompt_index for g in ray.get(q.drain.remote(), timeout=T)] == [7, 8, 9]
+
+
+def test_actor_release_and_drop_free_slots(actor):
+    q = actor(groups_per_step=1, max_staleness=1, drop_policy="drop")
+    assert ray.get(q.acquire_start.remote(0, timeout=5), timeout=T)  # A at version 0: a straggler
+    assert ray.get(q.acquire_start.remote(1, timeout=5), timeout=T)  # B at version 0
+    assert ray.get(q.acquire_start.remote(2, timeout=0.2), timeout=T) is False  # limit (0+1+1)*1
+    waiting = q.acquire_start.remote(2, timeout=20)
+    assert pending(waiting)
+    ray.get(q.release_start.remote(), timeout=T)  # B's reward failed: its slot goes to C
+    assert ray.get(waiting, timeout=T) is True
+    ray.get(q.put.remote(make_group(2, 0)), timeout=T)  # C
+    assert [g.prompt_index for g in ray.get(q.get_batch.remote(1, timeout=5), timeout=T)] == [2]
+    ray.get(q.set_version.remote(1), timeout=T)
+    assert ray.get(q.acquire_start.remote(3, timeout=5), timeout=T)  # D at version 1
+    ray.get(q.put.remote(make_group(3, 1)), timeout=T)
+    assert [g.prompt_index for g in ray.get(q.get_batch.remote(1, timeout=5), timeout=T)] == [3]
+    ray.get(q.set_version.remote(2), timeout=T)
+    ray.get(q.put.remote(make_group(0, 0, n=3)), timeout=T)  # A finally arrives: staleness 2 > 1
+    assert ray.get(q.get_batch.remote(1, timeout=0.3), timeout=T) == []  # dropped, never served
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert (s["groups/dropped_stale"], s["samples/dropped_stale"]) == (1, 3)
+    assert (s["admission/started"], s["admission/released"], s["admission/in_flight"]) == (4, 2, 0)
+    # started = consumed + queued + in_flight + released
+    assert s["admission/started"] == s["groups/consumed"] + s["queue/size"] + 0 + s["admission/released"]
+    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + s["queue/size"]
+
+
+def ahead(q) -> int:
+    """Groups started beyond what the trainer has consumed."""
+    s = ray.get(q.stats.remote(), timeout=T)
+    return s["admission/started"] - s["groups/consumed"]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_actor_admission_trainer_producer_loop(actor, eta):
+    """A producer thread and a trainer loop through the actor, "block" policy, in-order delivery;
+    groups are stamped with the version the producer saw when its slot was granted."""
+    gps, steps = 2, 4
+    q = actor(capacity=16, groups_per_step=gps, max_staleness=eta)
+    published = [0]  # what a rollout worker would have loaded
+    stop = threading.Event()
+
+    def producer():
+        i, rng = 0, random.Random(eta)
+        while not stop.is_set():
+            if not ray.get(q.acquire_start.remote(0, timeout=10), timeout=T):
+                return
+            g = make_group(i, published[0])
+            time.sleep(rng.uniform(0, 0.01))
+            if not ray.get(q.put.remote(g, timeout=10), timeout=T):
+                return
+            i += 1
+
+    th = threading.Thread(target=producer, daemon=True)
+    th.start()
+    stalenesses = []
+    try:
+        for step in range(steps):
+            batch = ray.get(q.get_batch.remote(gps, timeout=20), timeout=T)
+            assert len(batch) == gps
+            stalenesses += [g.staleness(step) for g in batch]
+            # While the trainer "trains", the producer runs ahead until admission stops it at
+            # exactly eta batches (eta = 0: nothing new starts, the synchronous schedule).
+            deadline = time.monotonic() + 10
+            while ahead(q) < eta * gps and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.1)  # give a (buggy) producer the chance to overshoot
+            assert ahead(q) == eta * gps
+            published[0] = step + 1  # weights reach the workers before admission opens
+            ray.get(q.set_version.remote(step + 1), timeout=T)
+    finally:
+        stop.set()
+        ray.get(q.shutdown.remote(), timeout=T)
+        th.join(timeout=T)
+    assert not th.is_alive()
+    assert len(stalenesses) == steps * gps and max(stalenesses) <= eta
+    if eta > 0:
+        assert max(stalenesses) == eta  # the producer really ran ahead
+    left = ray.get(q.drain.remote(), timeout=T)
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + len(left)
+
+
+def test_actor_counts_balance_with_drops(actor):
+    """Several producer threads, out-of-order delivery, drop policy: nothing is lost silently."""
+    gps, eta = 2, 1
+    q = actor(capacity=4, groups_per_step=gps, max_staleness=eta, drop_policy="drop")
+    published = [0]
+
+    def producer(wid: int):
+        rng = random.Random(wid)
+        i = 0
+        while ray.get(q.acquire_start.remote(wid, timeout=10), timeout=T):
+            g = make_group(1000 * wid + i, published[0], n=2 + wid % 2)
+            time.sleep(rng.choice([0.0, 0.0, 0.05, 0.3]))  # occasional stragglers
+            if rng.random() < 0.1:  # a failed reward: hand the slot back
+                ray.get(q.release_start.remote(), timeout=T)
+            elif not ray.get(q.put.remote(g, timeout=10), timeout=T):
+                ray.get(q.release_start.remote(), timeout=T)  # shut down: never delivered
+                return
+            i += 1
+
+    threads = [threading.Thread(target=producer, args=(w,), daemon=True) for w in range(3)]
+    for th in threads:
+        th.start()
+    consumed = []
+    for step in range(8):
+        batch = ray.get(q.get_batch.remote(gps, timeout=20), timeout=T)
+        assert len(batch) == gps
+        assert all(g.staleness(step) <= eta for g in batch)  # strict under "drop"
+        consumed += batch
+        published[0] = step + 1
+        ray.get(q.set_version.remote(step + 1), timeout=T)
+    ray.get(q.shutdown.remote(), timeout=T)
+    for th in threads:
+        th.join(timeout=T)
+        assert not th.is_alive()
+    left = ray.get(q.drain.remote(), timeout=T)
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert s["groups/consumed"] == len(consumed) == 8 * gps
+    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + len(left)
+    assert s["samples/produced"] == (
+        s["samples/consumed"] + s["samples/dropped_stale"] + sum(g.size for g in left)
+    )
+    assert s["samples/consumed"] == sum(g.size for g in consumed)
+    # Everything delivered or given back (drain released the leftovers' slots):
+    # started = consumed + queued + in_flight + released with queued = in_flight = 0.
+    assert s["admission/started"] == s["groups/consumed"] + s["admission/released"]
+    assert s["admission/in_flight"] == 0 and s["queue/size"] == 0
+
+
+def test_actor_shutdown_wakes_waiters(actor):
+    q = actor(capacity=4, groups_per_step=1, max_staleness=0)
+    assert ray.get(q.acquire_start.remote(0), timeout=T)
+    assert ray.get(q.put.remote(make_group(0, n=3)), timeout=T)
+    blocked = [q.acquire_start.remote(1), q.get_batch.remote(2)]  # no timeouts: would wait forever
+    ready, _ = ray.wait(blocked, num_returns=2, timeout=0.5)
+    assert not ready
+    t0 = time.monotonic()
+    ray.get(q.shutdown.remote(), timeout=T)
+    assert ray.get(blocked, timeout=5) == [False, []]
+    assert time.monotonic() - t0 < 5
+    # After shutdown nothing blocks and nothing is accepted (a put on a full queue is in the FIFO test).
+    assert ray.get(q.put.remote(make_group(1)), timeout=5) is False
+    assert ray.get(q.acquire_start.remote(2), timeout=5) is False
+    assert ray.get(q.get_batch.remote(1), timeout=5) == []
+    # What was produced but never trained comes back from drain, counted, its slot released.
+    assert [g.prompt_index for g in ray.get(q.drain.remote(), timeout=T)] == [0]
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert (s["groups/produced"], s["groups/drained"], s["samples/drained"], s["queue/size"]) == (1, 1, 3, 0)
+    assert (s["admission/started"], s["admission/released"], s["admission/in_flight"]) == (1, 1, 0)
+
+
+def test_actor_state_dict_roundtrip(actor):
+    """Save from a QueueActor run in-process (plain asyncio), resume in a Ray actor."""
+    gps, eta = 2, 1
+
+    async def run_old() -> tuple[dict, dict]:
+        old = QueueActor(capacity=8, groups_per_step=gps, max_staleness=eta)
+        for _ in range(4):
+            assert await old.acquire_start(0, timeout=5)
+        for i in range(3):  # the 4th is still in flight at the checkpoint
+            assert await old.put(make_group(i, 0, n=3))
+        assert len(await old.get_batch(gps, timeout=5)) == gps
+        await old.set_version(1)
+        return await old.state_dict(), await old.stats()
+
+    state, before = asyncio.run(run_old())
+    q = actor(capacity=8, groups_per_step=gps, max_staleness=eta)
+    ray.get(q.load_state_dict.remote(state), timeout=T)
+    s = ray.get(q.stats.remote(), timeout=T)
+    for key in ("samples/produced", "samples/consumed", "samples/dropped_stale", "admission/version"):
+        assert s[key] == before[key]
+    # The queued group and the in-flight one died with the old run: counted, their slots freed.
+    assert s["queue/size"] == 0 and s["groups/drained"] == 1 and s["samples/drained"] == 3
+    assert s["admission/in_flight"] == 0
+    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + s["groups/drained"]
+    assert s["admission/started"] == s["groups/consumed"] + s["admission/released"]
+    # Exactly (v + eta + 1) * gps - consumed new groups may start: staleness stays <= eta.
+    n = 0
+    while ray.get(q.acquire_start.remote(0, timeout=0.1), timeout=T):
+        n += 1
+    assert n == (1 + eta + 1) * gps - gps
+    assert ray.get(q.state_dict.remote(), timeout=T)["queue"]["consumed"] == gps
