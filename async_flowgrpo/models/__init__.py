@@ -1,0 +1,34 @@
+"""Model-family adapters. `load_adapter` picks the family from the directory's model_index.json."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+import torch
+
+# diffusers pipeline class -> (module, adapter class); imported lazily so that reading a config
+# does not pull in every family's dependencies.
+_FAMILIES = {
+    "StableDiffusion3Pipeline": ("async_flowgrpo.models.sd3", "SD3Adapter"),
+}
+
+
+def check_model_dir(path: str) -> None:
+    """Fail early, with the config key in the message, on a path that is not a diffusers model."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model.path {path!r} does not exist or is not a directory")
+    if not os.path.isfile(os.path.join(path, "model_index.json")):
+        raise ValueError(f"model.path {path!r} is not a diffusers model directory (no model_index.json)")
+
+
+def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype):
+    """Load the model directory at `path` (offline) behind its family's adapter."""
+    check_model_dir(path)
+    with open(os.path.join(path, "model_index.json")) as f:
+        cls_name = json.load(f).get("_class_name")
+    if cls_name not in _FAMILIES:
+        raise ValueError(f"model.path {path!r} holds a {cls_name}; supported: {sorted(_FAMILIES)}")
+    module, name = _FAMILIES[cls_name]
+    return getattr(importlib.import_module(module), name).load(path, device=torch.device(device), dtype=dtype)

@@ -1,0 +1,272 @@
+"""DiffusionPolicy: a flow-matching text-to-image model as an RL policy.
+
+The rollout side calls `generate` (denoise a batch, record the stochastic window with its
+log-probs and weight versions); the trainer side calls `recompute` on recorded steps (the same
+transformer call and the same `algo.sde_step`, now with gradients) and syncs weights through
+`trainable_state` / `load_trainable_state`. Everything model-family specific lives in the
+adapter (`async_flowgrpo.models`).
+
+Equality of the two sides is the property the whole algorithm rests on: with the same weights,
+`recompute` reproduces the recorded log-prob. Both go through `adapter.velocity` (same timestep
+arithmetic, same CFG combine) and `algo.sde_step` with `sigma_max=None`, whose default (s' at
+the s == 1 step, i.e. s_1 of the schedule) is Flow-GRPO's choice on both sides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from async_flowgrpo import algo
+from async_flowgrpo.models import load_adapter
+from async_flowgrpo.types import Group, SamplingParams
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    # bf16 weights on accelerators (the SDE step itself runs in fp32 inside algo); fp32 on CPU
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+class DiffusionPolicy:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype | None = None,
+        lora_rank: int = 32,
+        lora_alpha: int = 64,
+        lora_init_seed: int = 0,
+        reference_copy: bool = False,
+    ):
+        """lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
+        matrices identical in every process that builds the policy (trainers and rollout actors
+        start equal without a weight sync). reference_copy keeps a frozen copy of the initial
+        transformer for the KL term of full fine-tuning (LoRA needs none: adapters off)."""
+        self.device = torch.device(device)
+        self.dtype = dtype if dtype is not None else default_dtype(self.device)
+        self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype)
+        self.lora_rank = lora_rank
+        for module in self.adapter.frozen_modules:
+            module.requires_grad_(False).eval()
+        transformer = self.adapter.transformer.eval()  # eval: no dropout, the rollout's forward is replayed
+        if lora_rank > 0:
+            self._add_lora(transformer, lora_rank, lora_alpha, lora_init_seed)
+        else:
+            transformer.requires_grad_(True)
+        self._ref_transformer = (
+            copy.deepcopy(transformer).requires_grad_(False) if reference_copy and lora_rank == 0 else None
+        )
+
+    def _add_lora(self, transformer: nn.Module, rank: int, alpha: int, seed: int) -> None:
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        transformer.requires_grad_(False)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            transformer.add_adapter(
+                LoraConfig(
+                    r=rank,
+                    lora_alpha=alpha,
+                    init_lora_weights="gaussian",  # A ~ N(0, 1/r), B = 0: the policy starts equal to the base
+                    target_modules=list(self.adapter.lora_target_modules),
+                )
+            )
+        # Adam updates of bf16 LoRA weights would round away; keep the trainable ones in fp32
+        cast_training_params(transformer, dtype=torch.float32)
+
+    # ---------------------------------------------------------------- weights
+
+    @property
+    def has_reference(self) -> bool:
+        return self.lora_rank > 0 or self._ref_transformer is not None
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self._trainable_named()]
+
+    def _trainable_named(self) -> list[tuple[str, nn.Parameter]]:
+        if self.lora_rank > 0:
+            return [(n, p) for n, p in self.adapter.transformer.named_parameters() if "lora_" in n]
+        return list(self.adapter.transformer.named_parameters())
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        """The weights that training changes, in a fixed order, as detached views of the live
+        parameters on the policy's device (no copy: clone to keep a snapshot)."""
+        return {n: p.detach() for n, p in self._trainable_named()}
+
+    @torch.no_grad()
+    def load_trainable_state(self, state: dict[str, Tensor]) -> None:
+        named = dict(self._trainable_named())
+        if state.keys() != named.keys():
+            missing, unexpected = named.keys() - state.keys(), state.keys() - named.keys()
+            raise KeyError(
+                f"trainable state mismatch: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+            )
+        for name, p in named.items():
+            p.copy_(state[name])
+
+    @contextlib.contextmanager
+    def _reference_transformer(self) -> Iterator[nn.Module]:
+        transformer = self.adapter.transformer
+        if self.lora_rank > 0:
+            transformer.disable_adapters()
+            try:
+                yield transformer
+            finally:
+                transformer.enable_adapters()
+        elif self._ref_transformer is not None:
+            yield self._ref_transformer
+        else:
+            raise ValueError(
+                "a KL reference (algorithm.beta > 0) with full fine-tuning (model.lora_rank 0) needs "
+                "DiffusionPolicy(reference_copy=True)"
+            )
+
+    # ---------------------------------------------------------------- rollout
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        return self.adapter.sigmas(num_steps)
+
+    def generate(
+        self,
+        prompts: list[str],
+        group_size: int,
+        *,
+        num_steps: int,
+        guidance_scale: float,
+        noise_level: float,
+        sde_type: str,
+        window_size: int,
+        window_range: tuple[int, int] | None = None,
+        seed: int,
+        height: int | None = None,
+        width: int | None = None,
+        version_fn: Callable[[], int] | None = None,
+        prompt_indices: list[int] | None = None,
+        metadata: list[dict] | None = None,
+    ) -> list[Group]:
+        """Denoise len(prompts) * group_size samples as one batch; one Group per prompt.
+
+        One CPU torch.Generator seeded by `seed` draws, in order, the window position, the initial
+        noise and each window step's noise, so a seed reproduces the batch on any device.
+        `version_fn()` is called before every denoising step, outside no_grad, and its value is
+        stamped on that step if it is recorded: a rollout actor swaps in new weights there
+        (in-flight update). Each group's time_generate_s is its share of the batch's wall time.
+        """
+        t0 = time.perf_counter()
+        version_fn = version_fn or (lambda: 0)
+        prompt_indices = list(range(len(prompts))) if prompt_indices is None else list(prompt_indices)
+        metadata = [{} for _ in prompts] if metadata is None else list(metadata)
+        if not len(prompts) == len(prompt_indices) == len(metadata):
+            raise ValueError("prompts, prompt_indices and metadata must have the same length")
+        height = height or self.adapter.resolution
+        width = width or self.adapter.resolution
+        latent_shape = self.adapter.latent_shape(height, width)
+        cfg = guidance_scale > 1.0
+
+        gen = torch.Generator().manual_seed(seed)
+        start, end = algo.sde_window(num_steps, window_size, window_range, generator=gen)
+        sigmas = self.adapter.sigmas(num_steps)
+        enc = self.adapter.encode_prompts(prompts, cfg=cfg)
+        per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
+                      (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
+        x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen).to(self.device)
+
+        recorded, log_probs, versions = [], [], []
+        for i in range(num_steps):
+            version = int(version_fn())  # outside no_grad: the hook may copy new weights in
+            with torch.no_grad():
+                v = self.adapter.velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
+                if start <= i < end:
+                    if i == start:
+                        recorded.append(x.cpu())
+                    eps = torch.randn(x.shape, generator=gen).to(self.device)
+                    x, log_prob, _, _ = algo.sde_step(
+                        v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, sde_type=sde_type, noise=eps
+                    )
+                    recorded.append(x.cpu())
+                    log_probs.append(log_prob.cpu())
+                    versions.append(version)
+                else:
+                    x = algo.ode_step(v, x, sigmas[i], sigmas[i + 1])
+        images = self.adapter.decode(x)
+
+        n = group_size
+        all_latents = torch.stack(recorded, 1) if recorded else torch.empty(x.shape[0], 0, *latent_shape)
+        all_logp = torch.stack(log_probs, 1) if log_probs else torch.empty(x.shape[0], 0)
+        params = SamplingParams(
+            num_steps=num_steps,
+            guidance_scale=guidance_scale,
+            noise_level=noise_level,
+            sde_type=sde_type,
+            window_start=start,
+            window_size=end - start,
+            height=height,
+            width=width,
+        )
+        elapsed = (time.perf_counter() - t0) / len(prompts)
+        groups = []
+        for g, prompt in enumerate(prompts):
+            groups.append(
+                Group(
+                    prompt=prompt,
+                    prompt_index=prompt_indices[g],
+                    metadata=metadata[g],
+                    params=params,
+                    latents=all_latents[g * n : (g + 1) * n].clone(),
+                    sigmas=sigmas[start : end + 1].clone() if end > start else torch.empty(0),
+                    log_probs=all_logp[g * n : (g + 1) * n].clone(),
+                    versions=torch.tensor(versions, dtype=torch.long),
+                    images=images[g * n : (g + 1) * n].clone(),
+                    prompt_embeds=enc.embeds[g].cpu(),
+                    pooled_prompt_embeds=enc.pooled[g].cpu(),
+                    negative_prompt_embeds=enc.negative_embeds[g].cpu() if cfg else None,
+                    negative_pooled_prompt_embeds=enc.negative_pooled[g].cpu() if cfg else None,
+                    seed=seed,
+                    time_generate_s=elapsed,
+                )
+            )
+        return groups
+
+    # ---------------------------------------------------------------- training
+
+    def recompute(
+        self,
+        latents_j: Tensor,
+        latents_next: Tensor,
+        sigma: Tensor,
+        sigma_next: Tensor,
+        prompt_embeds: Tensor,
+        pooled: Tensor,
+        neg_embeds: Tensor | None,
+        neg_pooled: Tensor | None,
+        *,
+        guidance_scale: float,
+        noise_level: float,
+        sde_type: str,
+        sigma_max: float | Tensor | None = None,
+        with_ref: bool = False,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Score recorded steps x_j -> x_{j+1} of a micro-batch with gradients through the
+        transformer: (log_prob [B], mean, std, ref_mean or None). sigma, sigma_next: [B] (each
+        sample's own step); embeddings [B, ...]. ref_mean is the reference policy's mean (LoRA
+        adapters off, or the frozen copy), without gradient."""
+        x = latents_j.to(self.device, torch.float32)
+        x_next = latents_next.to(self.device, torch.float32)
+        cond = (prompt_embeds, pooled, neg_embeds, neg_pooled)
+        step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next)
+        v = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale)
+        _, log_prob, mean, std = algo.sde_step(v, x, sigma, sigma_next, **step)
+        ref_mean = None
+        if with_ref:
+            with torch.no_grad(), self._reference_transformer() as ref:
+                v_ref = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale, transformer=ref)
+                ref_mean = algo.sde_step(v_ref, x, sigma, sigma_next, **step)[2]
+        return log_prob, mean, std, ref_mean
