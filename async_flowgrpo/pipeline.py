@@ -34,18 +34,18 @@ class PipelineError(RuntimeError):
 
 # -- Ray cluster ---------------------------------------------------------------------------------
 def init_ray(cfg: Config) -> None:
+    address = cfg.ray.address
+    if address and address != "auto":
+        # ray.init retries an unreachable address for a long time: probe the port first.
+        host, _, port = address.replace("ray://", "").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=cfg.ray.connect_timeout_s).close()
+        except (OSError, ValueError) as e:
+            raise PipelineError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
     if ray.is_initialized():
         return
-    address = cfg.ray.address
     env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
     if address:
-        if address != "auto":
-            # ray.init retries an unreachable address for a long time: probe the port first.
-            host, _, port = address.replace("ray://", "").rpartition(":")
-            try:
-                socket.create_connection((host, int(port)), timeout=cfg.ray.connect_timeout_s).close()
-            except (OSError, ValueError) as e:
-                raise PipelineError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
         try:
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
-from async_flowgrpo.rollout.worker import build_policy
+from async_flowgrpo.rollout.worker import build_policy, set_cpu_threads
 from async_flowgrpo.trainer import Learner
 from async_flowgrpo.types import Group
 
@@ -56,6 +56,7 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
 @ray.remote
 class TrainerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, dp_address: tuple[str, int], transport):
+        set_cpu_threads(cfg.trainer.cpus_per_worker)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         torch.manual_seed(cfg.trainer.seed + rank)
         if world_size > 1:

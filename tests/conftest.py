@@ -6,6 +6,10 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Tiny models on a 2-core machine: one thread avoids oversubscription (10x slower matmuls under load).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,193 @@
+"""The Ray pipeline end to end on 2 cores: sync, one_step_off and fully_async with a tiny model.
+
+One Ray cluster for the module; each run is a few steps of a tiny random SD3 model. The runs are
+shared between tests (module-scoped fixtures), since starting actors dominates the cost.
+"""
+
+import json
+import os
+
+import pytest
+import ray
+import torch
+
+from async_flowgrpo.config import load_config
+from async_flowgrpo.modes import run
+from async_flowgrpo.pipeline import Pipeline, PipelineError
+
+PROMPTS = ["a red circle", "a blue square", "a red square", "a blue circle"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "shapes.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)
+
+
+def small_config(mode, model_dir, prompts, output_dir, *extra):
+    return load_config(
+        mode,
+        [
+            f"model.path={model_dir}",
+            "model.lora_rank=4",
+            "model.lora_alpha=8",
+            f"rollout.prompts={prompts}",
+            f"eval.prompts={prompts}",
+            "rollout.group_size=2",
+            "rollout.groups_per_step=2",
+            "rollout.num_steps=4",
+            "rollout.cpus_per_worker=0.25",
+            "trainer.cpus_per_worker=0.25",
+            "trainer.micro_batch_size=4",
+            "trainer.lr=1e-2",
+            "trainer.total_steps=3",
+            "trainer.sample_every=0",
+            f"trainer.output_dir={output_dir}",
+            "eval.every=0",
+            "eval.at_start_and_end=false",
+            "logging.progress=false",
+            "sync.timeout_s=120",
+            *extra,
+        ],
+    )
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_model_dir, prompt_file, tmp_path_factory):
+    """One short run per mode; returns {mode: metrics rows}."""
+    out = {}
+    for mode in ("sync", "one_step_off", "fully_async"):
+        output_dir = str(tmp_path_factory.mktemp(mode))
+        run(small_config(mode, tiny_model_dir, prompt_file, output_dir))
+        out[mode] = (output_dir, read_metrics(output_dir))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
+    output_dir, rows = runs[mode]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["version"] for r in rows] == [1, 2, 3]  # one published update per step
+    for key in ("reward/mean", "loss/policy", "policy/clip_frac", "is/ess", "staleness/mean", "sync/time_s",
+                "perf/samples_per_s", "perf/trainer_idle_frac", "perf/rollout_idle_frac", "logp/max_abs_diff",
+                "samples/produced", "samples/consumed", "rollout/aborted", "queue/size"):
+        assert key in rows[-1], key
+    assert rows[-1]["samples/consumed"] == 3 * 4
+    assert rows[-1]["rollout/aborted"] == 0
+    assert os.path.exists(os.path.join(output_dir, "config.yaml"))
+    assert os.listdir(os.path.join(output_dir, "checkpoints"))
+
+
+def test_sync_has_zero_staleness_and_exact_logps(runs):
+    _, rows = runs["sync"]
+    assert all(r["staleness/max"] == 0 for r in rows)
+    assert all(r["samples/produced"] == r["samples/consumed"] for r in rows)
+    # Fresh samples, same weights: the trainer's recomputed log-probs equal the rollout's.
+    assert max(r["logp/max_abs_diff"] for r in rows) < 1e-4
+
+
+def test_one_step_off_has_staleness_exactly_one_after_the_first_step(runs):
+    _, rows = runs["one_step_off"]
+    assert rows[0]["staleness/max"] == 0
+    assert all(r["staleness/mean"] == 1 and r["staleness/max"] == 1 for r in rows[1:])
+
+
+def test_fully_async_stays_within_eta_and_counts_balance(runs):
+    _, rows = runs["fully_async"]
+    assert all(r["staleness/max"] <= 1 for r in rows)
+    last = rows[-1]
+    # Every produced sample is consumed, dropped or still queued: nothing lost.
+    assert last["samples/produced"] == last["samples/consumed"] + last["samples/dropped_stale"] + last["queue/size_samples"]
+
+
+def test_fully_async_eta_zero_is_sync(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    cfg = small_config("fully_async", tiny_model_dir, prompt_file, str(tmp_path), "algorithm.max_staleness=0", "trainer.total_steps=2")
+    run(cfg)
+    rows = read_metrics(str(tmp_path))
+    assert all(r["staleness/max"] == 0 for r in rows)
+
+
+def test_weights_change_and_rollout_matches_trainer_bit_for_bit(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
+    p = Pipeline(cfg)
+    try:
+        before = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
+        groups = p.collect(p.generate_batch_async())
+        p.train(groups)
+        p.publish_weights()
+        # The staged weights are swapped in at the next group start: generate one, then compare.
+        p.collect(p.generate_batch_async())
+        after = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
+        rollout_digests = ray.get([r.weights_digest.remote() for r in p.rollouts], timeout=60)
+    finally:
+        p.shutdown()
+    assert after != before
+    assert rollout_digests == [after, after]
+
+
+def test_failing_reward_skips_its_group_and_the_run_goes_on(ray_cluster, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "mixed.txt"
+    prompts.write_text("a red circle\na blue zebra\na blue square\n")  # "zebra" fails to parse
+    cfg = small_config("sync", tiny_model_dir, str(prompts), str(tmp_path / "run"), "rollout.groups_per_step=3")
+    run(cfg)
+    rows = read_metrics(str(tmp_path / "run"))
+    assert len(rows) == 3
+    assert rows[-1]["rewards/errors"] >= 1
+    assert rows[-1]["rewards/skipped_groups"] == rows[-1]["rewards/errors"]
+
+
+def test_reward_that_always_fails_stops_the_run(ray_cluster, tiny_model_dir, tmp_path):
+    prompts = tmp_path / "bad.txt"
+    prompts.write_text("a blue zebra\n")
+    cfg = small_config("sync", tiny_model_dir, str(prompts), str(tmp_path / "run"), "reward.max_consecutive_failures=2")
+    with pytest.raises(Exception, match="consecutive reward failures"):
+        run(cfg)
+
+
+def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """M = 2 trainers on a split batch give the same update as M = 1 on the whole batch."""
+    digests, weights = {}, {}
+    for m in (1, 2):
+        cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / f"m{m}"), f"trainer.num_workers={m}")
+        p = Pipeline(cfg)
+        try:
+            groups = p.collect(p.generate_batch_async())  # same tickets, seeds and weights for both
+            p.train(groups)
+            state = ray.get(p.trainers[0].state_dict.remote(), timeout=60)["trainable"]
+            weights[m] = state
+            digests[m] = ray.get([t.weights_digest.remote() for t in p.trainers], timeout=60)
+        finally:
+            p.shutdown()
+    assert digests[2][0] == digests[2][1]  # both data-parallel ranks hold the same weights
+    for name in weights[1]:
+        torch.testing.assert_close(weights[2][name], weights[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_unreachable_ray_address_fails_fast(tiny_model_dir, prompt_file, tmp_path):
+    from async_flowgrpo.pipeline import init_ray
+
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.address=127.0.0.1:1", "ray.connect_timeout_s=2")
+    with pytest.raises(PipelineError, match="ray.address"):
+        init_ray(cfg)
+
+
+def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.gpus_per_worker=1")
+    with pytest.raises(PipelineError, match="GPUs requested"):
+        Pipeline(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=9", "rollout.cpus_per_worker=1")
+    with pytest.raises(PipelineError, match="CPUs requested"):
+        Pipeline(cfg)
