@@ -7,6 +7,7 @@ A driver (async_flowgrpo/modes/*.py) only decides *when* to generate, train and 
 from __future__ import annotations
 
 import glob
+from collections import deque
 import logging
 import os
 import socket
@@ -114,6 +115,9 @@ class Pipeline:
         self.version = 0  # published weight version
         self.step = 0  # trainer steps done
         self.next_ticket = 0  # batch modes: index of the next group to start
+        self.trained_ticket_end = 0  # batch modes: groups before this ticket are trained
+        self._batch_ends: deque[int] = deque()  # end ticket of each batch started, not yet collected
+        self._collected_end = 0
         self.consumed_samples = 0
         self.skipped_groups = 0
         self.sync_stats = {"sync/time_s": 0.0, "sync/bytes": 0.0}
@@ -166,11 +170,13 @@ class Pipeline:
         num_groups = num_groups or self.cfg.rollout.groups_per_step
         tickets = list(range(self.next_ticket, self.next_ticket + num_groups))
         self.next_ticket += num_groups
+        self._batch_ends.append(self.next_ticket)
         shares = [tickets[i :: len(self.rollouts)] for i in range(len(self.rollouts))]
         return [rollout.generate.remote(share) for rollout, share in zip(self.rollouts, shares) if share]
 
     def collect(self, refs: list) -> list[Group]:
         groups = [g for share in ray.get(refs, timeout=3600) for g in share]
+        self._collected_end = self._batch_ends.popleft()
         kept = [g for g in groups if g is not None]
         self.skipped_groups += len(groups) - len(kept)
         return kept
@@ -202,6 +208,7 @@ class Pipeline:
         per_rank = ray.get([tr.train_step.remote(shard, self.version) for tr, shard in zip(self.trainers, shards)], timeout=3600)
         metrics = {**reduce_metrics(per_rank), **batch_metrics}  # batch-wide reward stats, not per-shard means
         self.consumed_samples += sum(g.size for g in groups)
+        self.trained_ticket_end = self._collected_end  # batch modes: resume regenerates from here
         self.step += 1
         self.version += 1
         return metrics
@@ -246,15 +253,20 @@ class Pipeline:
             captions = [g.prompt for g in groups for _ in range(g.size)][:32]
             self.log.log_images(self.step, "rollout", images, captions)
 
+    def checkpoint_extra(self) -> dict:
+        """State a driver adds to every checkpoint (fully_async: the queue's counters)."""
+        return {}
+
     def save_checkpoint(self, extra_state: dict | None = None) -> str:
         path = os.path.join(self.cfg.trainer.output_dir, "checkpoints", f"step_{self.step:06d}")
         os.makedirs(path, exist_ok=True)
         state = {
             "step": self.step,
             "version": self.version,
-            "next_ticket": self.next_ticket,
+            "next_ticket": self.trained_ticket_end,
             "consumed_samples": self.consumed_samples,
             "learner": ray.get(self.trainers[0].state_dict.remote(), timeout=600),
+            **self.checkpoint_extra(),
             **(extra_state or {}),
         }
         torch.save(state, os.path.join(path, "state.pt"))
@@ -272,7 +284,8 @@ class Pipeline:
         state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
         ray.get([t.load_state_dict.remote(state["learner"]) for t in self.trainers], timeout=600)
         self.step, self.version = state["step"], state["version"]
-        self.next_ticket, self.consumed_samples = state["next_ticket"], state["consumed_samples"]
+        self.next_ticket = self.trained_ticket_end = state["next_ticket"]
+        self.consumed_samples = state["consumed_samples"]
         self.resumed_state = state
         logger.info("resumed from %s at step %d", path, self.step)
         return state
@@ -280,6 +293,25 @@ class Pipeline:
     def checkpoint_due(self) -> bool:
         every = self.cfg.trainer.checkpoint_every
         return bool(every) and self.step % every == 0
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Ctrl-C saves a checkpoint; a dead actor ends the run with one clear line; always shut down."""
+        try:
+            if exc_type is KeyboardInterrupt:
+                path = self.save_checkpoint(self.checkpoint_extra())
+                self.log.write(f"interrupted at step {self.step}: checkpoint {path} (resume with trainer.resume=latest)")
+            elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
+                last = latest_checkpoint(self.cfg.trainer.output_dir)
+                raise PipelineError(
+                    f"an actor died at step {self.step} ({str(exc).splitlines()[0][:200]}); "
+                    f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
+                ) from None
+        finally:
+            self.shutdown()
 
     def shutdown(self) -> None:
         for actor in self.rollouts + self.trainers:

@@ -17,41 +17,41 @@ from async_flowgrpo.queue import make_queue_actor
 
 
 def run(cfg: Config) -> dict:
-    p = Pipeline(cfg)
     eta, gps = cfg.algorithm.max_staleness, cfg.rollout.groups_per_step
-    queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
-    if "queue" in p.resumed_state:
-        ray.get(queue.load_state_dict.remote(p.resumed_state["queue"]), timeout=60)
-    ray.get(queue.set_version.remote(p.version), timeout=60)
-    loops = [rollout.run.remote(queue) for rollout in p.rollouts]
-    try:
-        p.maybe_evaluate(force=True)
-        while p.step < cfg.trainer.total_steps:
-            groups = ray.get(queue.get_batch.remote(gps, 60.0), timeout=120)
-            if not groups:
-                done, _ = ray.wait(loops, timeout=0)
-                if done:
-                    ray.get(done)  # a rollout loop ended: raise its error
-                    raise PipelineError("a rollout actor stopped; no groups are coming")
-                continue
-            metrics = p.train(groups)
-            sync = {}
-            if p.step % cfg.sync.every == 0:
-                sync = p.publish_weights()
-                ray.get(queue.set_version.remote(p.version), timeout=60)
-            p.maybe_save_samples(groups)
-            last = p.step >= cfg.trainer.total_steps
-            eval_metrics = p.maybe_evaluate(force=last)
-            queue_stats = ray.get(queue.stats.remote(), timeout=60)
-            p.log.log(p.step, p.step_metrics(metrics, {**queue_stats, **sync, **eval_metrics}))
-            if p.checkpoint_due() or last:
-                p.save_checkpoint({"queue": ray.get(queue.state_dict.remote(), timeout=60)})
-        return p.log.summary({})
-    finally:
-        for rollout in p.rollouts:
-            rollout.stop.remote()
-        ray.get(queue.shutdown.remote(), timeout=60)
-        ray.wait(loops, num_returns=len(loops), timeout=300)
-        left = ray.get(queue.drain.remote(), timeout=60)
-        p.left_in_queue = len(left)
-        p.shutdown()
+    with Pipeline(cfg) as p:
+        queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
+        p.checkpoint_extra = lambda: {"queue": ray.get(queue.state_dict.remote(), timeout=60)}
+        if "queue" in p.resumed_state:
+            ray.get(queue.load_state_dict.remote(p.resumed_state["queue"]), timeout=60)
+        ray.get(queue.set_version.remote(p.version), timeout=60)
+        loops = [rollout.run.remote(queue) for rollout in p.rollouts]
+        try:
+            p.maybe_evaluate(force=True)
+            while p.step < cfg.trainer.total_steps:
+                groups = ray.get(queue.get_batch.remote(gps, 60.0), timeout=120)
+                if not groups:
+                    done, _ = ray.wait(loops, timeout=0)
+                    if done:
+                        ray.get(done)  # a rollout loop ended: raise its error
+                        raise PipelineError("a rollout actor stopped; no groups are coming")
+                    continue
+                metrics = p.train(groups)
+                sync = {}
+                if p.step % cfg.sync.every == 0:
+                    sync = p.publish_weights()
+                    ray.get(queue.set_version.remote(p.version), timeout=60)
+                p.maybe_save_samples(groups)
+                last = p.step >= cfg.trainer.total_steps
+                eval_metrics = p.maybe_evaluate(force=last)
+                queue_stats = ray.get(queue.stats.remote(), timeout=60)
+                p.log.log(p.step, p.step_metrics(metrics, {**queue_stats, **sync, **eval_metrics}))
+                if p.checkpoint_due() or last:
+                    p.save_checkpoint()
+            return p.log.summary({})
+        finally:
+            # Stop producing, wake every waiter, let the loops return; what is left is counted as drained.
+            for rollout in p.rollouts:
+                rollout.stop.remote()
+            ray.get(queue.shutdown.remote(), timeout=60)
+            ray.wait(loops, num_returns=len(loops), timeout=300)
+            ray.get(queue.drain.remote(), timeout=60)

@@ -13,8 +13,7 @@ from async_flowgrpo.pipeline import Pipeline
 
 
 def run(cfg: Config) -> dict:
-    p = Pipeline(cfg)
-    try:
+    with Pipeline(cfg) as p:
         p.maybe_evaluate(force=True)
         pending = p.generate_batch_async()
         while p.step < cfg.trainer.total_steps:
@@ -27,9 +26,5 @@ def run(cfg: Config) -> dict:
             eval_metrics = p.maybe_evaluate(force=last)
             p.log.log(p.step, p.step_metrics(metrics, {**sync, **eval_metrics}))
             if p.checkpoint_due() or last:
-                # The batch in flight is not trained yet: a resumed run regenerates it.
-                in_flight = cfg.rollout.groups_per_step if pending else 0
-                p.save_checkpoint({"next_ticket": p.next_ticket - in_flight})
+                p.save_checkpoint()  # the batch in flight is not in it: a resumed run regenerates it
         return p.log.summary({})
-    finally:
-        p.shutdown()

@@ -7,9 +7,8 @@ from async_flowgrpo.pipeline import Pipeline
 
 
 def run(cfg: Config) -> dict:
-    p = Pipeline(cfg)
-    try:
-        eval_metrics = p.maybe_evaluate(force=True)
+    with Pipeline(cfg) as p:
+        p.maybe_evaluate(force=True)
         while p.step < cfg.trainer.total_steps:
             groups = p.collect(p.generate_batch_async())  # rollout ...
             metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)
@@ -21,5 +20,3 @@ def run(cfg: Config) -> dict:
             if p.checkpoint_due() or last:
                 p.save_checkpoint()
         return p.log.summary({})
-    finally:
-        p.shutdown()
