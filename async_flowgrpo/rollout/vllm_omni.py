@@ -149,7 +149,8 @@ def denoise_and_record(
                 recorded.append(x.cpu())
             eps = torch.randn(full, generator=gen)[rows].to(device)
             x, log_prob, _, _ = algo.sde_step(
-                v, x, sigmas[i], sigmas[i + 1], noise_level=float(spec["noise_level"]), sde_type=spec["sde_type"], noise=eps
+                v, x, sigmas[i], sigmas[i + 1], noise_level=float(spec["noise_level"]), sde_type=spec["sde_type"],
+                noise=eps,
             )
             recorded.append(x.cpu())
             log_probs.append(log_prob.cpu())
@@ -318,7 +319,9 @@ def group_from_output(output: Any, request: RolloutRequest, *, guidance_scale: f
             f"{PIPELINE_QUALNAME} (custom_pipeline_args.pipeline_class)?"
         )
     if int(info["version"]) != request.version:
-        raise RuntimeError(f"request {request.request_id}: output made with version {info['version']}, expected {request.version}")
+        raise RuntimeError(
+            f"request {request.request_id}: output made with version {info['version']}, expected {request.version}"
+        )
     spec, n = request.spec, request.spec["group_size"]
     window = int(log_probs.shape[1])
     if latents.shape[0] != n or log_probs.shape[0] != n or latents.shape[1] != window + (1 if window else 0):
@@ -363,10 +366,12 @@ def group_from_output(output: Any, request: RolloutRequest, *, guidance_scale: f
 
 
 def peft_key(name: str) -> str:
-    """Live peft parameter name -> PEFT checkpoint key, e.g.
-    transformer_blocks.0.attn.to_q.lora_A.default.weight -> base_model.model.transformer_blocks.0.attn.to_q.lora_A.weight"""
+    """Live peft parameter name -> PEFT checkpoint key (the adapter name dropped, the PeftModel
+    prefix added), e.g. blocks.0.attn.to_q.lora_A.default.weight -> base_model.model.blocks.0.attn.to_q.lora_A.weight"""
     if not re.search(r"\.lora_[AB]\.", name):
-        raise ValueError(f"{name!r} is not a LoRA weight (rollout.engine=vllm_omni with model.lora_rank > 0 syncs LoRA only)")
+        raise ValueError(
+            f"{name!r} is not a LoRA weight (rollout.engine=vllm_omni with model.lora_rank > 0 syncs LoRA only)"
+        )
     name = re.sub(r"\.lora_([AB])\.[^.]+\.weight$", r".lora_\1.weight", name)  # drop the adapter name
     return name if name.startswith("base_model.model.") else "base_model.model." + name
 
@@ -483,6 +488,7 @@ class VllmOmniEngine:
         self.request_timeout_s = request_timeout_s
         self._own_work_dir = work_dir is None
         self.work_dir = work_dir or tempfile.mkdtemp(prefix="flowgrpo_vllm_omni_")
+        os.makedirs(self.work_dir, exist_ok=True)
         self.adapters = LoraAdapterBook(
             os.path.join(self.work_dir, "adapters"), lora_rank, lora_alpha, tuple(lora_target_modules), model_path
         )
@@ -583,7 +589,12 @@ class VllmOmniEngine:
     def _swap_adapter(self, state: dict[str, Tensor], version: int) -> None:
         ref = self.adapters.write(state, version)
         request = self._make_lora_request(lora_name=ref.name, lora_int_id=ref.lora_int_id, lora_path=ref.path)
-        if not self._loop.run(self.omni.add_lora(request), self.request_timeout_s):
+        try:
+            ok = self._loop.run(self.omni.add_lora(request), self.request_timeout_s)
+        except BaseException:
+            self.adapters.discard(ref)
+            raise
+        if not ok:
             self.adapters.discard(ref)
             raise RuntimeError(f"vllm-omni add_lora failed for {ref.path} (version {version})")
         previous = self.adapters.activate(ref)
@@ -652,7 +663,9 @@ class VllmOmniEngine:
         t0 = time.perf_counter()
         outputs = self._loop.run(self._run_all(requests, lora_request), self.request_timeout_s)
         elapsed = (time.perf_counter() - t0) / max(len(requests), 1)
-        return [group_from_output(o, r, guidance_scale=guidance_scale, elapsed_s=elapsed) for o, r in zip(outputs, requests)]
+        return [
+            group_from_output(o, r, guidance_scale=guidance_scale, elapsed_s=elapsed) for o, r in zip(outputs, requests)
+        ]
 
     async def _run_all(self, requests: list[RolloutRequest], lora_request) -> list[Any]:
         return await asyncio.gather(*(self._run_one(r, lora_request) for r in requests))
@@ -676,7 +689,9 @@ def check_model_dir(path: str) -> None:
     with open(index) as f:
         cls_name = json.load(f).get("_class_name")
     if cls_name != "StableDiffusion3Pipeline":
-        raise ValueError(f"rollout.engine=vllm_omni supports StableDiffusion3Pipeline checkpoints, model.path holds {cls_name}")
+        raise ValueError(
+            f"rollout.engine=vllm_omni supports StableDiffusion3Pipeline checkpoints, model.path holds {cls_name}"
+        )
     missing = [d for d in ("text_encoder_3", "tokenizer_3") if not os.path.isdir(os.path.join(path, d))]
     if missing:
         raise ValueError(
@@ -765,16 +780,24 @@ def _build_worker_classes() -> dict[str, type]:
             def per_sample(t):  # upstream encodes the prompt once; the transformer wants n rows
                 return None if t is None or t.shape[0] == n else t.repeat_interleave(n // t.shape[0], 0)
 
-            cond = [per_sample(t) for t in (prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds, negative_pooled_prompt_embeds)]
+            cond = [
+                per_sample(t)
+                for t in (prompt_embeds, pooled_prompt_embeds, negative_prompt_embeds, negative_pooled_prompt_embeds)
+            ]
             sigmas = self.scheduler.sigmas.detach().float().cpu()  # set by upstream prepare_timesteps
 
             def velocity(x, i):
                 # timestep sigma * 1000 in fp32 (not the model dtype): what the trainer's recompute passes
                 t = (sigmas[i] * 1000).to(self.device).expand(n)
-                kw = lambda e, p: dict(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=e,  # noqa: E731
-                                       pooled_projections=p, return_dict=False)
-                neg = kw(cond[2], cond[3]) if do_true_cfg else None
-                return self.predict_noise_maybe_with_cfg(do_true_cfg, guidance_scale, kw(cond[0], cond[1]), neg, False).float()
+
+                def kwargs(embeds, pooled):
+                    return dict(hidden_states=x.to(dtype), timestep=t, encoder_hidden_states=embeds,
+                                pooled_projections=pooled, return_dict=False)
+
+                pos = kwargs(cond[0], cond[1])
+                neg = kwargs(cond[2], cond[3]) if do_true_cfg else None
+                # upstream's CFG path (CFG-parallel aware); combine_cfg_noise below does it in fp32
+                return self.predict_noise_maybe_with_cfg(do_true_cfg, guidance_scale, pos, neg, False).float()
 
             x, record = denoise_and_record(velocity, tuple(latents.shape[1:]), sigmas, spec, latents.device)
             h, w = (s * self.vae_scale_factor for s in latents.shape[-2:])
@@ -789,6 +812,16 @@ def _build_worker_classes() -> dict[str, type]:
                 negative_pooled_prompt_embeds=negative_pooled_prompt_embeds if do_true_cfg else None,
             )
             return x  # upstream decodes it with the VAE
+
+        def combine_cfg_noise(self, positive_noise_pred, negative_noise_pred, true_cfg_scale, cfg_normalize=False,
+                              kwargs=None):
+            if self._flowgrpo_spec is not None:  # v_u + g (v_c - v_u) in fp32, as the trainer's recompute
+                def up(p):
+                    return tuple(t.float() for t in p) if isinstance(p, tuple) else p.float()
+
+                positive_noise_pred, negative_noise_pred = up(positive_noise_pred), up(negative_noise_pred)
+            return super().combine_cfg_noise(positive_noise_pred, negative_noise_pred, true_cfg_scale, cfg_normalize,
+                                             kwargs)
 
     class FlowGRPOWorkerExtension(CustomPipelineWorkerExtension):
         """Mixed into vllm-omni's diffusion worker (worker_extension_cls). Subclasses the

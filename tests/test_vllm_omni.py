@@ -1,0 +1,514 @@
+"""vllm-omni engine, CPU side: what runs without vllm-omni (it is an optional GPU extra and is not
+installed here). Request building, the recording loop (checked against DiffusionPolicy),
+output -> Group conversion, PEFT adapter dirs, LoRA swap / full-weight RPC bookkeeping and
+version stamping through the engine with a fake AsyncOmni, and the missing-extra error.
+The real pipeline class and AsyncOmni are untested here (no GPU, no vllm-omni)."""
+
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from async_flowgrpo.config import Config
+from async_flowgrpo.models.sd3 import SD3_LORA_TARGETS
+from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
+from async_flowgrpo.policy import DiffusionPolicy
+from async_flowgrpo.rollout import vllm_omni as vo
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SAMPLING = dict(num_steps=4, guidance_scale=1.0, noise_level=0.7, sde_type="sde", window_size=2)
+LATENT = (4, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    return DiffusionPolicy(make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_sd3"))), lora_rank=4, lora_alpha=8)
+
+
+@pytest.fixture
+def no_vllm_omni(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm_omni", None)  # "import vllm_omni" raises ImportError
+
+
+# ------------------------------------------------------------------ missing extra, update point
+
+
+def test_missing_extra_gives_the_install_hint(no_vllm_omni):
+    with pytest.raises(ImportError, match=r"pip install 'async_flowgrpo\[gpu\]' \(vllm-omni==0\.30\.0\)"):
+        vo.VllmOmniEngine.from_config(Config())
+    with pytest.raises(ImportError, match="async_flowgrpo\\[gpu\\]"):
+        vo.FlowGRPOSD3Pipeline  # noqa: B018  (worker-side classes are built lazily)
+    from async_flowgrpo.rollout.worker import build_engine
+
+    cfg = Config()
+    cfg.rollout.engine = "vllm_omni"
+    with pytest.raises(ImportError, match="vllm-omni==0.30.0"):
+        build_engine(cfg, "between_groups")
+    with pytest.raises(AttributeError):
+        vo.NoSuchThing  # noqa: B018
+
+
+def test_between_steps_degrades_to_between_groups_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="between_steps"):
+        assert vo.resolve_update_point("between_steps") == "between_groups"
+    assert vo.resolve_update_point("between_groups") == "between_groups"
+    with pytest.raises(ValueError, match="sync.update_point"):
+        vo.resolve_update_point("sometimes")
+
+
+def test_model_dir_check(tmp_path):
+    with pytest.raises(ValueError, match="model_index.json"):
+        vo.check_model_dir(str(tmp_path))
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    with pytest.raises(ValueError, match="StableDiffusion3Pipeline"):
+        vo.check_model_dir(str(d))
+    (d / "model_index.json").write_text('{"_class_name": "StableDiffusion3Pipeline"}')
+    with pytest.raises(ValueError, match="text_encoder_3"):  # e.g. the embedded tiny model
+        vo.check_model_dir(str(d))
+
+
+# ------------------------------------------------------------------ requests
+
+
+def test_build_requests_one_per_prompt():
+    reqs = vo.build_requests(
+        ["a", "b"], 3, 11, **{**SAMPLING, "guidance_scale": 4.5}, window_range=(0, 3), height=64, width=32,
+        prompt_indices=[7, 8], metadata=[{"k": 1}, {}], version=5,
+    )
+    assert [r.prompt for r in reqs] == [{"prompt": "a", "negative_prompt": ""}, {"prompt": "b", "negative_prompt": ""}]
+    assert [r.prompt_index for r in reqs] == [7, 8] and reqs[0].metadata == {"k": 1}
+    assert len({r.request_id for r in reqs}) == 2 and reqs[0].request_id.startswith("flowgrpo-v5-p7-s11-")
+    s = reqs[1].sampling
+    assert s["num_inference_steps"] == 4 and s["guidance_scale"] == 4.5 and s["num_outputs_per_prompt"] == 3
+    assert s["height"] == 64 and s["width"] == 32 and s["seed"] == 11 and s["output_type"] == "pil"
+    assert reqs[1].spec == {
+        "seed": 11, "batch_index": 1, "batch_prompts": 2, "group_size": 3, "num_steps": 4, "noise_level": 0.7,
+        "sde_type": "sde", "window_size": 2, "window_range": [0, 3], "version": 5,
+    }
+    # height/width None -> the pipeline's default resolution
+    assert "height" not in vo.build_requests(["a"], 2, 0, **SAMPLING)[0].sampling
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [({"window_size": 4}, "window"), ({"sde_type": "ode"}, "sde_type"), ({"window_range": (0, 1)}, "window")],
+)
+def test_build_requests_rejects_bad_sampling(bad, match):
+    with pytest.raises(ValueError, match=match):
+        vo.build_requests(["a"], 2, 0, **{**SAMPLING, **bad})
+
+
+# ------------------------------------------------------------------ the recording loop
+
+
+@pytest.mark.parametrize(
+    "prompts, sde_type, guidance",
+    [(["a red circle"], "sde", 1.0), (["a red circle"], "cps", 3.0), (["a red circle", "a blue square"], "sde", 1.0)],
+)
+def test_recording_loop_reproduces_the_diffusers_policy(policy, prompts, sde_type, guidance):
+    """Same seed -> the pipeline's loop draws the same window and noise as DiffusionPolicy and
+    records the same latents and log-probs (here with the same velocity function). Bit-exact for
+    a one-prompt batch; for a prompt of a larger batch the transformer runs on fewer rows than the
+    diffusers engine's, which changes float rounding only."""
+    n, steps = 2, 5
+    kw = dict(num_steps=steps, guidance_scale=guidance, noise_level=0.7, sde_type=sde_type, window_size=2)
+    groups = policy.generate(prompts, n, seed=9, **kw)
+    enc = policy.adapter.encode_prompts(prompts, cfg=guidance > 1)
+    sigmas = policy.sigmas(steps)
+    shape = policy.adapter.latent_shape(policy.adapter.resolution, policy.adapter.resolution)
+    tol = dict(atol=0, rtol=0) if len(prompts) == 1 else dict(atol=1e-5, rtol=0)
+    for g, req in enumerate(vo.build_requests(prompts, n, 9, **kw)):
+        rows = [t[g : g + 1].repeat_interleave(n, 0) if t is not None else None
+                for t in (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
+
+        def velocity(x, i, rows=rows):
+            return policy.adapter.velocity(x, sigmas[i], *rows, guidance_scale=guidance)
+
+        with torch.no_grad():
+            x, record = vo.denoise_and_record(velocity, shape, sigmas, req.spec)
+        assert record["window_start"] == groups[g].params.window_start
+        assert torch.equal(record["sigmas"], groups[g].sigmas)
+        torch.testing.assert_close(record["latents"], groups[g].latents, **tol)
+        torch.testing.assert_close(record["log_probs"], groups[g].log_probs, **tol)
+        images = policy.adapter.decode(x).int()
+        assert (images - groups[g].images.int()).abs().max() <= (0 if len(prompts) == 1 else 1)
+
+
+def test_recording_loop_pure_ode_window():
+    spec = vo.build_requests(["a"], 3, 0, **{**SAMPLING, "window_size": 0})[0].spec
+    x, record = vo.denoise_and_record(lambda x, i: -x, LATENT, torch.linspace(1, 0, 5), spec)
+    assert record["latents"].shape == (3, 0, *LATENT) and record["log_probs"].shape == (3, 0)
+    assert record["sigmas"].numel() == 0 and x.shape == (3, *LATENT)
+    with pytest.raises(ValueError, match="sigmas"):
+        vo.denoise_and_record(lambda x, i: -x, LATENT, torch.linspace(1, 0, 4), spec)
+
+
+# ------------------------------------------------------------------ output conversion
+
+
+def fake_output(request, *, latent=LATENT, images=None, error=None, version=None, cond_dim=(5, 6)):
+    """Shaped like vllm-omni's final OmniRequestOutput for our pipeline: PIL images plus the
+    trajectory_* fields our pipeline sets (built by the same helper the pipeline uses)."""
+    spec = dict(request.spec)
+    if version is not None:
+        spec["version"] = version
+    n = spec["group_size"]
+    _, record = vo.denoise_and_record(lambda x, i: -x, latent, torch.linspace(1, 0, spec["num_steps"] + 1), spec)
+    cfg = request.sampling["guidance_scale"] > 1
+    payload = vo.trajectory_payload(
+        record, spec=spec, height=16, width=24,
+        prompt_embeds=torch.randn(1, *cond_dim), pooled_prompt_embeds=torch.randn(1, 7),
+        negative_prompt_embeds=torch.randn(1, *cond_dim) if cfg else None,
+        negative_pooled_prompt_embeds=torch.randn(1, 7) if cfg else None,
+    )
+    rng = np.random.default_rng(spec["seed"])
+    if images is None:
+        images = [Image.fromarray(rng.integers(0, 255, (16, 24, 3), dtype=np.uint8)) for _ in range(n)]
+    return SimpleNamespace(request_id=request.request_id + "-x", finished=True, error=error, images=images, **payload)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 4.5])
+def test_group_from_output(guidance):
+    sampling = {**SAMPLING, "guidance_scale": guidance}
+    req = vo.build_requests(["a cat"], 3, 4, **sampling, prompt_indices=[12], version=2)[0]
+    out = fake_output(req)
+    g = vo.group_from_output(out, req, guidance_scale=guidance, elapsed_s=1.5)
+    assert (g.prompt, g.prompt_index, g.seed, g.time_generate_s) == ("a cat", 12, 4, 1.5)
+    assert g.latents.shape == (3, 3, *LATENT) and g.log_probs.shape == (3, 2) and g.sigmas.shape == (3,)
+    assert g.latents.dtype == g.log_probs.dtype == torch.float32
+    assert g.versions.tolist() == [2, 2] and g.min_version == 2 and g.staleness(4) == 2
+    assert g.images.shape == (3, 16, 24, 3) and g.images.dtype == torch.uint8
+    assert torch.equal(g.images[1], torch.from_numpy(np.array(out.images[1])))
+    p = g.params
+    assert (p.num_steps, p.window_size, p.height, p.width, p.sde_type) == (4, 2, 16, 24, "sde")
+    assert p.window_start == out.trajectory_timesteps["window_start"] and p.guidance_scale == guidance
+    assert g.prompt_embeds.shape == (5, 6) and g.pooled_prompt_embeds.shape == (7,)
+    assert (g.negative_prompt_embeds is None) == (guidance <= 1)
+
+
+def test_group_from_output_errors():
+    req = vo.build_requests(["a"], 2, 0, **SAMPLING, version=1)[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        vo.group_from_output(fake_output(req, error="boom"), req, guidance_scale=1.0)
+    with pytest.raises(RuntimeError, match="version 3"):
+        vo.group_from_output(fake_output(req, version=3), req, guidance_scale=1.0)
+    with pytest.raises(RuntimeError, match="1 images for a group of 2"):
+        out = fake_output(req)
+        vo.group_from_output(SimpleNamespace(**{**vars(out), "images": out.images[:1]}), req, guidance_scale=1.0)
+    with pytest.raises(RuntimeError, match="no trajectory"):
+        empty = SimpleNamespace(error=None, images=[], trajectory_timesteps=None, trajectory_latents=None,
+                                trajectory_log_probs=None)
+        vo.group_from_output(empty, req, guidance_scale=1.0)
+
+
+# ------------------------------------------------------------------ PEFT adapter dirs
+
+
+def test_adapter_dir_is_a_peft_adapter_of_the_policy(policy, tmp_path):
+    from peft import LoraConfig, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    state = {k: v + 0.5 for k, v in policy.trainable_state().items()}
+    book = vo.LoraAdapterBook(str(tmp_path), rank=4, alpha=8, target_modules=SD3_LORA_TARGETS, base_model="m")
+    ref = book.write(state, version=6)
+    assert (ref.version, ref.lora_int_id, ref.name) == (6, 7, "flowgrpo_v6")
+    assert sorted(os.listdir(ref.path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    config = LoraConfig.from_pretrained(ref.path)
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8, set(SD3_LORA_TARGETS))
+    saved = load_file(os.path.join(ref.path, "adapter_model.safetensors"))
+    assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in saved)
+    # load it back the way PEFT loaders do: the live LoRA weights become the saved ones
+    before = {k: v.clone() for k, v in policy.trainable_state().items()}
+    try:
+        stripped = {k.removeprefix("base_model.model."): v for k, v in saved.items()}
+        set_peft_model_state_dict(policy.adapter.transformer, stripped, adapter_name="default")
+        assert all(torch.equal(policy.trainable_state()[k], state[k]) for k in state)
+    finally:
+        policy.load_trainable_state(before)
+
+
+def test_peft_key_and_adapter_swap_bookkeeping(tmp_path):
+    key = vo.peft_key("blocks.0.attn.to_out.0.lora_B.default.weight")
+    assert key == "base_model.model.blocks.0.attn.to_out.0.lora_B.weight"
+    assert vo.peft_key("base_model.model.x.lora_A.weight") == "base_model.model.x.lora_A.weight"
+    with pytest.raises(ValueError, match="LoRA"):
+        vo.peft_key("transformer_blocks.0.attn.to_q.weight")
+    book = vo.LoraAdapterBook(str(tmp_path), 2, 4, ("to_q",))
+    a = book.write(lora_state(), 1)
+    assert book.activate(a) is None and book.active == a
+    b = book.write(lora_state(), 2)
+    assert book.activate(b) == a and book.active == b
+    book.discard(a)
+    assert not os.path.exists(a.path) and os.path.exists(b.path)
+
+
+# ------------------------------------------------------------------ the engine, with a fake AsyncOmni
+
+
+def lora_state(scale=1.0):
+    return {
+        "transformer_blocks.0.attn.to_q.lora_A.default.weight": torch.full((2, 8), scale),
+        "transformer_blocks.0.attn.to_q.lora_B.default.weight": torch.full((8, 2), scale),
+    }
+
+
+class FakeOmni:
+    """The AsyncOmni surface the engine uses. generate runs our recording loop with a toy velocity
+    and answers like vllm-omni would for our pipeline (a started lifecycle output, then the final)."""
+
+    def __init__(self):
+        self.calls, self.loaded, self.adapters, self.rpc_result = [], [], set(), None
+        self.add_ok = True
+
+    async def generate(self, prompt, sampling_params=None, request_id=""):
+        sp = sampling_params
+        spec = dict(sp.extra_args[vo.EXTRA_KEY])
+        lora = sp.lora_request
+        self.calls.append((request_id, prompt["prompt"], None if lora is None else lora.lora_int_id, spec["version"]))
+        if lora is not None:
+            assert lora.lora_int_id in self.adapters, "request uses an adapter that was never added"
+        req = SimpleNamespace(spec=spec, sampling={"guidance_scale": sp.guidance_scale}, request_id=request_id)
+        yield SimpleNamespace(finished=False)
+        yield fake_output(req)
+
+    async def add_lora(self, lora_request):
+        self.calls.append(("add_lora", lora_request.lora_int_id))
+        assert os.path.isfile(os.path.join(lora_request.lora_path, "adapter_model.safetensors"))
+        if self.add_ok:
+            self.adapters.add(lora_request.lora_int_id)
+        return self.add_ok
+
+    async def remove_lora(self, adapter_id):
+        self.calls.append(("remove_lora", adapter_id))
+        self.adapters.discard(adapter_id)
+        return True
+
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None, stage_ids=None):
+        self.calls.append((method, *args))
+        from safetensors.torch import load_file
+
+        self.loaded.append(load_file(args[0]))
+        return self.rpc_result or [[3]]
+
+
+def make_engine(omni, tmp_path, *, lora_rank=2, **kw):
+    return vo.VllmOmniEngine(
+        omni,
+        loop=vo._LoopThread(),
+        make_sampling_params=lambda **k: SimpleNamespace(**k),
+        make_lora_request=lambda **k: SimpleNamespace(**k),
+        lora_rank=lora_rank,
+        lora_alpha=4,
+        lora_target_modules=("to_q",),
+        work_dir=str(tmp_path),
+        **kw,
+    )
+
+
+def test_engine_swaps_lora_adapters_between_groups_and_stamps_versions(tmp_path):
+    omni = FakeOmni()
+    with pytest.warns(RuntimeWarning, match="between_steps"):
+        engine = make_engine(omni, tmp_path, update_point="between_steps")
+    try:
+        assert engine.update_point == "between_groups" and engine.version == 0
+        groups = engine.generate(["p", "q"], 2, 5, **SAMPLING, prompt_indices=[3, 4])
+        assert [g.prompt_index for g in groups] == [3, 4] and all(g.versions.tolist() == [0, 0] for g in groups)
+        assert [c[2:] for c in omni.calls] == [(None, 0), (None, 0)]  # version 0: base model, no adapter
+
+        engine.stage_weights(lora_state(1.0), 3)
+        assert engine.version == 0 and omni.calls[-1][0] != "add_lora"  # staged, not applied yet
+        engine.stage_weights(lora_state(2.0), 4)  # a newer staged state replaces the older one
+        (g,) = engine.generate(["p"], 2, 6, **SAMPLING)
+        assert engine.version == 4 and g.versions.tolist() == [4, 4]
+        assert omni.calls[-2:] == [("add_lora", 5), (omni.calls[-1][0], "p", 5, 4)]
+        assert torch.equal(engine.trainable_state()["transformer_blocks.0.attn.to_q.lora_A.default.weight"],
+                           torch.full((2, 8), 2.0))
+        first = engine.adapters.active
+
+        engine.load_weights(lora_state(3.0), 7)  # immediate load
+        assert omni.calls[-2:] == [("add_lora", 8), ("remove_lora", 5)]
+        assert not os.path.exists(first.path) and os.path.exists(engine.adapters.active.path)
+        (g,) = engine.generate(["p"], 2, 6, **SAMPLING)
+        assert g.versions.tolist() == [7, 7] and omni.calls[-1][2:] == (8, 7)
+
+        omni.add_ok = False
+        with pytest.raises(RuntimeError, match="add_lora failed"):
+            engine.load_weights(lora_state(), 9)
+        assert engine.version == 7 and engine.adapters.active.version == 7  # failed update changes nothing
+    finally:
+        engine.close()
+
+
+def test_engine_full_weights_go_through_the_worker_extension(tmp_path):
+    omni = FakeOmni()
+    engine = make_engine(omni, tmp_path / "w", lora_rank=0)
+    try:
+        state = {"transformer_blocks.0.attn.to_q.weight": torch.ones(8, 8), "proj_out.bias": torch.zeros(4)}
+        engine.load_weights(state, 1)
+        (method, path1) = omni.calls[-1]
+        assert method == vo.LOAD_WEIGHTS_RPC and os.path.isfile(path1)
+        assert omni.loaded[-1].keys() == state.keys() and torch.equal(omni.loaded[-1]["proj_out.bias"], torch.zeros(4))
+        engine.stage_weights(state, 2)
+        (g,) = engine.generate(["p"], 2, 0, **SAMPLING)
+        assert g.versions.tolist() == [2, 2] and omni.calls[-1][2] is None  # no LoRA request in full fine-tune
+        assert not os.path.exists(path1)  # the previous weights file is removed
+        omni.rpc_result = [[{"error": "bad key"}]]
+        with pytest.raises(RuntimeError, match="bad key"):
+            engine.load_weights(state, 3)
+    finally:
+        engine.close()
+
+
+def test_engine_close_removes_its_own_work_dir():
+    engine = vo.VllmOmniEngine(
+        FakeOmni(), loop=vo._LoopThread(), make_sampling_params=dict, make_lora_request=dict, lora_rank=2, lora_alpha=4
+    )
+    work_dir = engine.work_dir
+    assert os.path.isdir(work_dir)
+    engine.close()
+    assert not os.path.exists(work_dir) and not engine._loop.thread.is_alive()
+
+
+# ------------------------------------------------------------------ worker-side classes, on fake vllm-omni bases
+
+
+def fake_vllm_omni_modules(monkeypatch):
+    """Stand-ins for the three vllm-omni modules our worker-side classes import, reproducing the
+    call contract of vllm-omni 0.30's StableDiffusion3Pipeline.forward -> self.diffuse(...) ->
+    predict_noise_maybe_with_cfg -> combine_cfg_noise, and DiffusionOutput / DiffusionRequestBatch."""
+    from dataclasses import dataclass, field
+    from types import ModuleType
+
+    @dataclass
+    class DiffusionOutput:
+        output: object = None
+        trajectory_timesteps: object = None
+        trajectory_latents: object = None
+        trajectory_log_probs: object = None
+
+    @dataclass
+    class DiffusionRequestBatch:
+        requests: list = field(default_factory=list)
+
+    class StableDiffusion3Pipeline:
+        vae_scale_factor = 8
+
+        def __init__(self):
+            self.od_config = SimpleNamespace(dtype=torch.bfloat16)
+            self.device = torch.device("cpu")
+            self.scheduler = SimpleNamespace(sigmas=None)
+            self.seen = []  # (timestep dtype, rows of hidden states, rows of conditioning)
+            self.transformer = self._transformer
+
+        def _transformer(self, hidden_states, timestep, encoder_hidden_states, pooled_projections, return_dict):
+            self.seen.append(
+                (timestep.dtype, hidden_states.shape[0], encoder_hidden_states.shape[0], timestep[0].item())
+            )
+            v = -hidden_states.float() + encoder_hidden_states.float().mean() + pooled_projections.float().mean()
+            return (v.to(hidden_states.dtype),)
+
+        def predict_noise_maybe_with_cfg(self, do_true_cfg, scale, positive_kwargs, negative_kwargs, cfg_normalize):
+            pos = self.transformer(**positive_kwargs)[0]
+            if not do_true_cfg:
+                return pos
+            return self.combine_cfg_noise((pos,), (self.transformer(**negative_kwargs)[0],), scale, cfg_normalize)
+
+        def combine_cfg_noise(self, positive, negative, scale, cfg_normalize=False, kwargs=None):
+            (p,), (n,) = positive, negative
+            return n + scale * (p - n)
+
+        def diffuse(self, **kw):
+            return kw["latents"]
+
+        def forward(self, req):
+            sp = req.requests[0].sampling_params
+            n, g = sp.num_outputs_per_prompt, sp.guidance_scale
+            self.scheduler.sigmas = torch.linspace(1, 0, sp.num_inference_steps + 1)
+            cond = torch.full((1, 3, 5), 0.1), torch.full((1, 7), 0.2)
+            latents = self.diffuse(
+                latents=torch.zeros(n, *LATENT, dtype=torch.bfloat16), timesteps=self.scheduler.sigmas[:-1] * 1000,
+                prompt_embeds=cond[0], pooled_prompt_embeds=cond[1], negative_prompt_embeds=cond[0] * 0,
+                negative_pooled_prompt_embeds=cond[1] * 0, do_true_cfg=g > 1, guidance_scale=g, cfg_normalize=False,
+            )
+            return [DiffusionOutput(output=latents.float().mean(1, keepdim=True).expand(-1, 3, -1, -1))]
+
+    class CustomPipelineWorkerExtension:
+        def re_init_pipeline(self, custom_pipeline_args):
+            pass
+
+    modules = {
+        "vllm_omni": ModuleType("vllm_omni"),
+        "vllm_omni.diffusion.models.sd3.pipeline_sd3": SimpleNamespace(
+            StableDiffusion3Pipeline=StableDiffusion3Pipeline),
+        "vllm_omni.diffusion.worker.diffusion_worker": SimpleNamespace(
+            CustomPipelineWorkerExtension=CustomPipelineWorkerExtension),
+        "vllm_omni.diffusion.worker.request_batch": SimpleNamespace(DiffusionRequestBatch=DiffusionRequestBatch),
+    }
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(vo, "_WORKER_CLASSES", {})
+    return DiffusionRequestBatch
+
+
+@pytest.mark.parametrize("guidance", [1.0, 2.0])
+def test_pipeline_records_trajectories_on_a_fake_upstream(monkeypatch, guidance):
+    Batch = fake_vllm_omni_modules(monkeypatch)
+    pipeline = vo.FlowGRPOSD3Pipeline()
+    assert vo.FlowGRPOSD3Pipeline.__qualname__ == "FlowGRPOSD3Pipeline"
+    assert vo.PIPELINE_QUALNAME == "async_flowgrpo.rollout.vllm_omni.FlowGRPOSD3Pipeline"
+    ours = vo.build_requests(["p"], 3, 7, **{**SAMPLING, "guidance_scale": guidance}, version=4)[0]
+
+    def omni_request(rollout_request):
+        sampling = SimpleNamespace(**rollout_request.sampling)
+        return SimpleNamespace(sampling_params=sampling, prompt=rollout_request.prompt)
+
+    plain = omni_request(ours)
+    plain.sampling_params = SimpleNamespace(**{**ours.sampling, "extra_args": {}})  # e.g. the engine's warm-up run
+    out, out_plain = pipeline.forward(Batch(requests=[omni_request(ours), plain]))
+    assert out_plain.trajectory_latents is None and out.output.shape == (3, 3, *LATENT[1:])
+    # the loop saw fp32 timesteps sigma * 1000 and n rows of conditioning
+    sigmas = torch.linspace(1, 0, SAMPLING["num_steps"] + 1)
+    first = pipeline.seen[: SAMPLING["num_steps"] * (2 if guidance > 1 else 1)]
+    assert all(dt == torch.float32 and rows == cond_rows == 3 for dt, rows, cond_rows, _ in first)
+    assert first[0][3] == pytest.approx(1000.0) and first[-1][3] == pytest.approx(float(sigmas[-2] * 1000))
+
+    def velocity(x, i):  # what the fake transformer computes, combined in fp32
+        def v(c, p):
+            return (-x.to(torch.bfloat16).float() + c + p).to(torch.bfloat16).float()
+
+        return v(0.1, 0.2) if guidance <= 1 else v(0.0, 0.0) + guidance * (v(0.1, 0.2) - v(0.0, 0.0))
+
+    _, record = vo.denoise_and_record(velocity, LATENT, sigmas, ours.spec)
+    assert torch.equal(out.trajectory_latents, record["latents"])
+    assert torch.equal(out.trajectory_log_probs, record["log_probs"])
+    info = out.trajectory_timesteps
+    assert (info["version"], info["height"], info["width"], info["window_start"]) == (4, 64, 64, record["window_start"])
+    assert info["prompt_embeds"].shape == (3, 5) and info["pooled_prompt_embeds"].shape == (7,)
+    assert (info["negative_prompt_embeds"] is None) == (guidance <= 1)
+    images = [Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8))] * 3
+    omni_output = SimpleNamespace(error=None, images=images, trajectory_latents=out.trajectory_latents,
+                                  trajectory_log_probs=out.trajectory_log_probs, trajectory_timesteps=info)
+    g = vo.group_from_output(omni_output, ours, guidance_scale=guidance)
+    assert g.versions.tolist() == [4, 4] and g.params.height == 64
+
+
+def test_worker_extension_loads_diffusers_named_weights(monkeypatch, tmp_path):
+    from safetensors.torch import save_file
+
+    fake_vllm_omni_modules(monkeypatch)
+    loaded = {}
+    transformer = SimpleNamespace(load_weights=lambda items: set(loaded.update(dict(items)) or loaded))
+    ext = vo.FlowGRPOWorkerExtension()
+    ext.model_runner = SimpleNamespace(pipeline=SimpleNamespace(transformer=transformer))
+    save_file({"transformer_blocks.0.attn.to_q.weight": torch.ones(2, 2)}, str(tmp_path / "w.safetensors"))
+    assert ext.flowgrpo_load_weights(str(tmp_path / "w.safetensors")) == 1
+    assert torch.equal(loaded["transformer_blocks.0.attn.to_q.weight"], torch.ones(2, 2))
+    assert hasattr(ext, "re_init_pipeline")  # the custom-pipeline hook stays available
