@@ -77,6 +77,11 @@ def check_resources(cfg: Config) -> None:
         )
 
 
+def rollout_actor_name(output_dir: str, index: int) -> str:
+    """Named so operators (and the fault-tolerance test) can find a run's rollout actors."""
+    return f"async_flowgrpo:{os.path.abspath(output_dir)}:rollout-{index}"
+
+
 def latest_checkpoint(output_dir: str) -> str | None:
     found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*")))
     return found[-1] if found else None
@@ -108,7 +113,10 @@ class Pipeline:
             TrainerActor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
             for i in range(t.num_workers)
         ]
-        self.rollouts = [RolloutActor.options(**self._placed(i, r)).remote(cfg, i, self.transport) for i in range(r.num_workers)]
+        self.rollouts = [
+            RolloutActor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(cfg, i, self.transport)
+            for i in range(r.num_workers)
+        ]
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=600)
         self.connect_sync_group()
 
@@ -120,6 +128,8 @@ class Pipeline:
         self._collected_end = 0
         self.consumed_samples = 0
         self.skipped_groups = 0
+        self.rollout_restarts = 0
+        self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async)
         self.sync_stats = {"sync/time_s": 0.0, "sync/bytes": 0.0}
         self.log = RunLogger(t.output_dir, cfg, total_steps=t.total_steps, progress=cfg.logging.progress)
         self.resume_if_asked()
@@ -149,8 +159,43 @@ class Pipeline:
             timeout=120,
         )
 
+    def recover_rollout(self, index: int, error: Exception) -> None:
+        """Ray restarts a dead rollout actor; it rejoins the sync group and gets the current weights."""
+        self.rollout_restarts += 1
+        logger.warning("rollout actor %d died (%s); waiting for its restart", index, str(error).splitlines()[0][:200])
+        self._wait_alive(self.rollouts[index])
+        self.connect_sync_group()
+        self.publish_weights()
+
+    @staticmethod
+    def _wait_alive(actor, timeout_s: float = 600) -> None:
+        """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers.
+        (pid runs on the control thread, so a busy generation loop does not delay the answer.)"""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(actor.pid.remote(), timeout=timeout_s)
+                return
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
     def publish_weights(self) -> dict:
-        """Broadcast the trainer's weights (version self.version) to every rollout actor and verify."""
+        """Broadcast the trainer's weights (version self.version) to every rollout actor and verify.
+
+        If a rollout actor died (the collective fails), wait for Ray to restart it, rebuild the
+        group and send again: the restarted actor must hold the current weights before it generates."""
+        try:
+            return self._publish()
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+            logger.warning("weight sync failed (%s); rebuilding the sync group", str(e).splitlines()[0][:200])
+            for rollout in self.rollouts:
+                self._wait_alive(rollout)
+            self.connect_sync_group()
+            return self._publish()
+
+    def _publish(self) -> dict:
         start = time.perf_counter()
         push = self.trainers[0].push.remote(self.version)
         pulls = [rollout.pull.remote([push]) for rollout in self.rollouts]
@@ -172,10 +217,17 @@ class Pipeline:
         self.next_ticket += num_groups
         self._batch_ends.append(self.next_ticket)
         shares = [tickets[i :: len(self.rollouts)] for i in range(len(self.rollouts))]
-        return [rollout.generate.remote(share) for rollout, share in zip(self.rollouts, shares) if share]
+        return [(i, share, self.rollouts[i].generate.remote(share)) for i, share in enumerate(shares) if share]
 
-    def collect(self, refs: list) -> list[Group]:
-        groups = [g for share in ray.get(refs, timeout=3600) for g in share]
+    def collect(self, pending: list) -> list[Group]:
+        """Wait for a batch; a share lost with a dead rollout actor is regenerated after its restart."""
+        groups = []
+        for i, tickets, ref in pending:
+            try:
+                groups += ray.get(ref, timeout=3600)
+            except ray.exceptions.RayActorError as e:
+                self.recover_rollout(i, e)
+                groups += ray.get(self.rollouts[i].generate.remote(tickets), timeout=3600)
         self._collected_end = self._batch_ends.popleft()
         kept = [g for g in groups if g is not None]
         self.skipped_groups += len(groups) - len(kept)
@@ -228,6 +280,8 @@ class Pipeline:
             "perf/trainer_idle_frac": sum(trainer_idle) / len(trainer_idle),
             "samples/consumed": self.consumed_samples,
             "rewards/skipped_groups": self.skipped_groups,
+            "rollout/restarts": self.rollout_restarts,
+            "rollout/lost_groups": self.lost_groups,
         }
         m.update(reduce_metrics(rollout_stats))
         m["perf/rollout_idle_frac"] = sum(s["perf/rollout_idle_frac"] for s in rollout_stats) / len(rollout_stats)

@@ -258,6 +258,7 @@ class QueueActor:
         self.queue = ReplayQueue(capacity, max_staleness, drop_policy, self.controller)
         self.admission_wait_s = 0.0  # part of producer_wait_s spent in acquire_start
         self.next_ticket = 0  # see acquire_ticket
+        self.tickets_in_flight: dict[int, int] = {}  # worker id -> ticket it is generating
         self._closed = False
         self._cond: asyncio.Condition | None = None  # created on the actor's event loop
 
@@ -296,6 +297,7 @@ class QueueActor:
             self.queue.producer_wait_s += waited
             if ok:
                 self.queue.put(group)
+                self.tickets_in_flight.pop(group.worker_id, None)
                 self.cond.notify_all()
             return ok
 
@@ -323,6 +325,15 @@ class QueueActor:
         if not await self.acquire_start(worker_id, timeout):
             return -1 if self._closed else None
         ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+        self.tickets_in_flight[worker_id] = ticket
+        return ticket
+
+    async def release_worker(self, worker_id: int) -> int | None:
+        """A worker died: give back the slot of the group it was generating; returns that lost
+        ticket (None if it held none)."""
+        ticket = self.tickets_in_flight.pop(worker_id, None)
+        if ticket is not None:
+            await self.release_start(1)
         return ticket
 
     async def release_start(self, n: int = 1) -> None:

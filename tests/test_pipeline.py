@@ -6,6 +6,9 @@ shared between tests (module-scoped fixtures), since starting actors dominates t
 
 import json
 import os
+import signal
+import threading
+import time
 
 import pytest
 import ray
@@ -213,3 +216,48 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
 
     pipe = StableDiffusion3Pipeline.from_pretrained(tiny_model_dir, text_encoder_3=None, tokenizer_3=None)
     pipe.load_lora_weights(os.path.join(resumed, "checkpoints", "step_000006", "weights"))
+
+
+def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """Batch mode: kill a rollout actor's process while it generates; the batch still completes."""
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
+    with Pipeline(cfg) as p:
+        pid = ray.get(p.rollouts[0].pid.remote(), timeout=60)
+        pending = p.generate_batch_async()
+        os.kill(pid, signal.SIGKILL)
+        groups = p.collect(pending)
+        assert sorted(g.prompt_index for g in groups) == [0, 1]  # nothing lost, nothing duplicated
+        assert p.rollout_restarts == 1
+        p.train(groups)
+        p.publish_weights()  # the restarted actor is back in the sync group
+        assert ray.get(p.rollouts[0].pid.remote(), timeout=60) != pid
+
+
+def test_fully_async_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    from async_flowgrpo.pipeline import rollout_actor_name
+
+    output_dir = str(tmp_path)
+    cfg = small_config("fully_async", tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=4")
+    killed = {}
+
+    def kill_one_when_running():
+        deadline = time.time() + 120
+        while time.time() < deadline and "pid" not in killed:
+            try:
+                actor = ray.get_actor(rollout_actor_name(output_dir, 1))
+                if os.path.exists(os.path.join(output_dir, "metrics.jsonl")):  # training has started
+                    killed["pid"] = ray.get(actor.pid.remote(), timeout=30)
+                    os.kill(killed["pid"], signal.SIGKILL)
+            except ValueError:
+                pass  # not created yet
+            time.sleep(0.5)
+
+    killer = threading.Thread(target=kill_one_when_running, daemon=True)
+    killer.start()
+    run(cfg)
+    killer.join(timeout=5)
+    rows = read_metrics(output_dir)
+    assert "pid" in killed
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["rollout/restarts"] == 1
+    assert all(r["staleness/max"] <= 1 for r in rows)

@@ -28,12 +28,18 @@ def run(cfg: Config) -> dict:
         try:
             p.maybe_evaluate(force=True)
             while p.step < cfg.trainer.total_steps:
-                groups = ray.get(queue.get_batch.remote(gps, 60.0), timeout=120)
+                groups = ray.get(queue.get_batch.remote(gps, 5.0), timeout=60)
+                for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
+                    if ray.wait([loop], timeout=0)[0]:
+                        try:
+                            ray.get(loop)
+                            raise PipelineError(f"rollout actor {i} stopped generating")
+                        except ray.exceptions.RayActorError as e:
+                            lost = ray.get(queue.release_worker.remote(i), timeout=60)
+                            p.lost_groups += lost is not None
+                            p.recover_rollout(i, e)
+                            loops[i] = p.rollouts[i].run.remote(queue)
                 if not groups:
-                    done, _ = ray.wait(loops, timeout=0)
-                    if done:
-                        ray.get(done)  # a rollout loop ended: raise its error
-                        raise PipelineError("a rollout actor stopped; no groups are coming")
                     continue
                 metrics = p.train(groups)
                 sync = {}

@@ -13,6 +13,7 @@ and its seed, so which worker generates a group never changes what is generated.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -159,11 +160,11 @@ class RolloutWorker:
                 break  # queue shut down
             group = self.generate_group(ticket)
             if group is None:
-                ray.get(queue.release_start.remote())
+                ray.get(queue.release_worker.remote(self.worker_id))
                 continue
             while not ray.get(queue.put.remote(group, poll_s)):
                 if self._stop.is_set():
-                    ray.get(queue.release_start.remote())
+                    ray.get(queue.release_worker.remote(self.worker_id))
                     return self.stats()
         return self.stats()
 
@@ -185,9 +186,12 @@ class RolloutWorker:
         }
 
 
-@ray.remote(concurrency_groups={"sync": 1, "control": 1})
+@ray.remote(concurrency_groups={"sync": 1, "control": 1}, max_restarts=-1)
 class RolloutActor:
-    """Ray shell: generation on the default thread, weight receive on the "sync" thread."""
+    """Ray shell: generation on the default thread, weight receive on the "sync" thread.
+
+    Ray restarts a dead rollout actor (max_restarts); the pipeline then rebuilds the weight-sync
+    group and pushes the current weights before the actor generates again."""
 
     def __init__(self, cfg: Config, worker_id: int, transport):
         from async_flowgrpo.gpu_monitor import GpuMonitor
@@ -217,6 +221,10 @@ class RolloutActor:
         return self.worker.run(queue)
 
     @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
     def stop(self) -> None:
         self.worker.stop()
 
@@ -228,4 +236,5 @@ class RolloutActor:
     def weights_digest(self) -> str:
         from async_flowgrpo.sync import digest
 
-        return digest(self.worker.engine.policy.trainable_state())
+        engine = self.worker.engine
+        return digest(getattr(engine, "policy", engine).trainable_state())
