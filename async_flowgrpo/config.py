@@ -104,7 +104,8 @@ class RewardConfig:
     # per-reward keyword options, e.g. {pickscore: {path: /models/PickScore_v1, processor_path: /models/CLIP-ViT-H-14}}
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_workers: int = 0  # 0 = score inside the rollout actor; >0 = a pool of reward actors
-    timeout_s: float = 300.0
+    cpus_per_worker: float = 0.25
+    timeout_s: float = 300.0  # per group; enforced by the pool (num_workers > 0)
     max_consecutive_failures: int = 5
 
 
@@ -310,6 +311,7 @@ def validate(c: Config) -> None:
     for name in w.options:
         _require(name in w.weights, f"reward.options.{name}", "has no weight in reward.weights")
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
+    _require(w.cpus_per_worker > 0, "reward.cpus_per_worker", "must be > 0")
     _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _require(w.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
 

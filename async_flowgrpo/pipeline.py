@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from async_flowgrpo import algo
 from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
+from async_flowgrpo.rewards.pool import make_reward_pool
 from async_flowgrpo.rollout.worker import RolloutActor
 from async_flowgrpo.sync import free_port, make_transport, node_ip
 from async_flowgrpo.training import TrainerActor
@@ -66,6 +67,7 @@ def check_resources(cfg: Config) -> None:
     r, t = cfg.rollout, cfg.trainer
     need_gpu = r.num_workers * r.gpus_per_worker + t.num_workers * t.gpus_per_worker
     need_cpu = r.num_workers * r.cpus_per_worker + t.num_workers * t.cpus_per_worker
+    need_cpu += cfg.reward.num_workers * cfg.reward.cpus_per_worker
     if need_gpu > total.get("GPU", 0):
         raise PipelineError(
             f"rollout.gpus_per_worker/trainer.gpus_per_worker: {need_gpu:g} GPUs requested "
@@ -73,7 +75,7 @@ def check_resources(cfg: Config) -> None:
         )
     if need_cpu > total.get("CPU", 0):
         raise PipelineError(
-            f"rollout.cpus_per_worker/trainer.cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
+            f"rollout/trainer/reward .cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
         )
 
 
@@ -113,8 +115,12 @@ class Pipeline:
             TrainerActor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
             for i in range(t.num_workers)
         ]
+        w = cfg.reward
+        self.reward_actors = make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker) if w.num_workers else []
         self.rollouts = [
-            RolloutActor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(cfg, i, self.transport)
+            RolloutActor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
+                cfg, i, self.transport, self.reward_actors
+            )
             for i in range(r.num_workers)
         ]
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=600)
@@ -234,8 +240,11 @@ class Pipeline:
         return kept
 
     # -- training ------------------------------------------------------------------------------
-    def train(self, groups: list[Group]) -> dict[str, float]:
-        """Advantages over the batch, one data-parallel update, version + 1. Returns step metrics."""
+    def train(self, groups: list[Group]) -> dict[str, float] | None:
+        """Advantages over the batch, one data-parallel update, version + 1. Returns step metrics,
+        or None when every group of the batch was skipped (counted in rewards/skipped_groups)."""
+        if not groups:
+            return None
         a = self.cfg.algorithm
         rewards = torch.cat([g.rewards for g in groups])
         group_ids = torch.cat([torch.full((g.size,), i) for i, g in enumerate(groups)])
@@ -368,7 +377,7 @@ class Pipeline:
             self.shutdown()
 
     def shutdown(self) -> None:
-        for actor in self.rollouts + self.trainers:
+        for actor in self.rollouts + self.trainers + self.reward_actors:
             ray.kill(actor)
         remove_placement_group(self.placement)
         self.log.close()

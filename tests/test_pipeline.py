@@ -261,3 +261,38 @@ def test_fully_async_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["rollout/restarts"] == 1
     assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """reward.num_workers > 0: a reward that hangs past reward.timeout_s skips its group (counted)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if "a blue square" in body["prompts"]:
+                time.sleep(8)  # hangs past reward.timeout_s
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"scores": [1.0] * len(body["prompts"])}).encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/score"
+    try:
+        cfg = small_config(
+            "sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
+            "reward.weights={remote: 1.0}", f"reward.options={{remote: {{url: '{url}', retries: 0}}}}",
+            "reward.num_workers=1", "reward.cpus_per_worker=0.1", "reward.timeout_s=3",
+        )
+        run(cfg)
+    finally:
+        server.shutdown()
+    rows = read_metrics(str(tmp_path))
+    assert len(rows) == 2
+    assert rows[-1]["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
+    assert rows[-1]["samples/consumed"] == 2 * 3 * 2

@@ -22,6 +22,9 @@ def run(cfg: Config) -> dict:
             last = p.step + 1 >= cfg.trainer.total_steps
             pending = None if last else p.generate_batch_async()  # overlaps with the training below
             metrics = p.train(groups)
+            if metrics is None:  # every group of the batch was skipped: the step is not done yet
+                pending = pending or p.generate_batch_async()
+                continue
             p.maybe_save_samples(groups)
             eval_metrics = p.maybe_evaluate(force=last)
             p.log.log(p.step, p.step_metrics(metrics, {**sync, **eval_metrics}))

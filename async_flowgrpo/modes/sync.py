@@ -12,6 +12,8 @@ def run(cfg: Config) -> dict:
         while p.step < cfg.trainer.total_steps:
             groups = p.collect(p.generate_batch_async())  # rollout ...
             metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)
+            if metrics is None:  # every group of the batch was skipped
+                continue
             sync = p.publish_weights()
             p.maybe_save_samples(groups)
             last = p.step >= cfg.trainer.total_steps

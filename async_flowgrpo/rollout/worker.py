@@ -51,7 +51,7 @@ def build_policy(cfg: Config, **kwargs):
     from async_flowgrpo.config import resolve_model_path
     from async_flowgrpo.policy import DiffusionPolicy
 
-    return DiffusionPolicy(
+    policy = DiffusionPolicy(
         resolve_model_path(cfg.model.path),
         device="cuda" if torch.cuda.is_available() else "cpu",
         dtype=model_dtype(cfg),
@@ -60,6 +60,9 @@ def build_policy(cfg: Config, **kwargs):
         lora_init_seed=cfg.trainer.seed,
         **kwargs,
     )
+    if cfg.model.gradient_checkpointing:
+        policy.adapter.transformer.enable_gradient_checkpointing()
+    return policy
 
 
 def build_engine(cfg: Config, update_point: str):
@@ -76,12 +79,12 @@ def build_engine(cfg: Config, update_point: str):
 class RolloutWorker:
     """update_point: "between_steps" (in-flight updates, fully_async) or "between_groups"."""
 
-    def __init__(self, cfg: Config, worker_id: int = 0, engine: Any = None, update_point: str | None = None):
+    def __init__(self, cfg: Config, worker_id: int = 0, engine: Any = None, update_point: str | None = None, reward=None):
         self.cfg = cfg
         self.worker_id = worker_id
         update_point = update_point or (cfg.sync.update_point if cfg.mode == "fully_async" else "between_groups")
         self.engine = engine if engine is not None else build_engine(cfg, update_point)
-        self.reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
+        self.reward = reward or CombinedReward(cfg.reward.weights, cfg.reward.options)
         self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed)
         r = cfg.rollout
         self.sampling = dict(
@@ -193,11 +196,13 @@ class RolloutActor:
     Ray restarts a dead rollout actor (max_restarts); the pipeline then rebuilds the weight-sync
     group and pushes the current weights before the actor generates again."""
 
-    def __init__(self, cfg: Config, worker_id: int, transport):
+    def __init__(self, cfg: Config, worker_id: int, transport, reward_actors: list | None = None):
         from async_flowgrpo.gpu_monitor import GpuMonitor
+        from async_flowgrpo.rewards.pool import PooledReward
 
         set_cpu_threads(cfg.rollout.cpus_per_worker)
-        self.worker = RolloutWorker(cfg, worker_id)
+        reward = PooledReward(reward_actors, cfg.reward.timeout_s) if reward_actors else None
+        self.worker = RolloutWorker(cfg, worker_id, reward=reward)
         self.receiver = transport.receiver()
         self.gpu = GpuMonitor().start()  # reports nothing on machines without NVIDIA GPUs
 

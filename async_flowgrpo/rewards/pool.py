@@ -1,0 +1,58 @@
+"""A pool of reward actors, so slow rewards (model-based, remote) do not stall generation and a
+reward that hangs is cut off by reward.timeout_s. Same call as CombinedReward."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import ray
+import torch
+
+from async_flowgrpo.rewards import CombinedReward, RewardError
+
+RESTART_WAIT_S = 300.0
+
+
+@ray.remote
+class RewardActor:
+    def __init__(self, weights: dict[str, float], options: dict[str, dict]):
+        self.reward = CombinedReward(weights, options)
+
+    def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        return self.reward(images, prompts, metadata)
+
+
+class PooledReward:
+    def __init__(self, actors: list, timeout_s: float):
+        self.actors, self.timeout_s = actors, timeout_s
+        self._turn = itertools.cycle(range(len(actors)))
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
+        actor = self.actors[next(self._turn)]
+        restart_deadline = time.monotonic() + RESTART_WAIT_S
+        try:
+            while True:
+                try:
+                    return ray.get(actor.score.remote(images, prompts, metadata), timeout=self.timeout_s)
+                except ray.exceptions.ActorUnavailableError:
+                    # Restarting after an earlier timeout: its start-up does not count against this group.
+                    if time.monotonic() > restart_deadline:
+                        raise
+                    time.sleep(0.5)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(actor, no_restart=False)  # stop the hung call; Ray restarts the actor (max_restarts)
+            raise RewardError("pool", f"timed out after {self.timeout_s:g}s (reward.timeout_s)") from None
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RewardError):
+                raise e.cause from None
+            raise RewardError("pool", str(e).splitlines()[0]) from None
+        except ray.exceptions.RayActorError as e:
+            raise RewardError("pool", f"reward actor died: {str(e).splitlines()[0]}") from None
+
+
+def make_reward_pool(num_workers: int, weights: dict[str, float], options: dict[str, dict], cpus_per_worker: float) -> list:
+    # max_restarts: a reward actor cancelled after a timeout (or killed) comes back for the next group.
+    return [
+        RewardActor.options(num_cpus=cpus_per_worker, max_restarts=-1).remote(weights, options) for _ in range(num_workers)
+    ]
