@@ -256,6 +256,10 @@ class Pipeline:
             "reward/std": rewards.std(correction=0).item(),
             "reward/zero_std_frac": algo.zero_std_fraction(rewards, group_ids),
         }
+        staleness = torch.tensor([g.staleness(self.version) for g in groups])
+        for k in range(self.cfg.algorithm.max_staleness + 2):  # histogram; the last bin is "> eta"
+            in_bin = staleness == k if k <= self.cfg.algorithm.max_staleness else staleness > self.cfg.algorithm.max_staleness
+            batch_metrics[f"staleness/hist_{k if k <= self.cfg.algorithm.max_staleness else 'over'}"] = int(in_bin.sum())
         for name in groups[0].reward_components:
             batch_metrics[f"reward/{name}"] = torch.cat([g.reward_components[name] for g in groups]).mean().item()
         if a.drop_zero_std:
@@ -320,7 +324,7 @@ class Pipeline:
         """State a driver adds to every checkpoint (fully_async: the queue's counters)."""
         return {}
 
-    def save_checkpoint(self, extra_state: dict | None = None) -> str:
+    def save_checkpoint(self) -> str:
         path = os.path.join(self.cfg.trainer.output_dir, "checkpoints", f"step_{self.step:06d}")
         os.makedirs(path, exist_ok=True)
         state = {
@@ -330,7 +334,6 @@ class Pipeline:
             "consumed_samples": self.consumed_samples,
             "learner": ray.get(self.trainers[0].state_dict.remote(), timeout=600),
             **self.checkpoint_extra(),
-            **(extra_state or {}),
         }
         torch.save(state, os.path.join(path, "state.pt"))
         ray.get(self.trainers[0].save_weights.remote(os.path.join(path, "weights")), timeout=600)
@@ -365,7 +368,7 @@ class Pipeline:
         """Ctrl-C saves a checkpoint; a dead actor ends the run with one clear line; always shut down."""
         try:
             if exc_type is KeyboardInterrupt:
-                path = self.save_checkpoint(self.checkpoint_extra())
+                path = self.save_checkpoint()
                 self.log.write(f"interrupted at step {self.step}: checkpoint {path} (resume with trainer.resume=latest)")
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
                 last = latest_checkpoint(self.cfg.trainer.output_dir)
@@ -373,6 +376,11 @@ class Pipeline:
                     f"an actor died at step {self.step} ({str(exc).splitlines()[0][:200]}); "
                     f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
                 ) from None
+            elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayTaskError):
+                # An actor raised (e.g. too many consecutive reward failures): keep the good state.
+                path = self.save_checkpoint()
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raise PipelineError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
         finally:
             self.shutdown()
 

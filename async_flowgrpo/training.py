@@ -110,10 +110,12 @@ class TrainerActor:
         return evaluate_policy(self.learner.policy, self.cfg)
 
     def state_dict(self) -> dict:
-        return self.learner.state_dict()
+        return {**self.learner.state_dict(), "rng": torch.get_rng_state()}
 
     def load_state_dict(self, state: dict) -> None:
         self.learner.load_state_dict(state)
+        if "rng" in state:
+            torch.set_rng_state(state["rng"])
 
     def save_weights(self, path: str) -> None:
         """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer."""

@@ -111,6 +111,7 @@ def test_one_step_off_has_staleness_exactly_one_after_the_first_step(runs):
 def test_fully_async_stays_within_eta_and_counts_balance(runs):
     _, rows = runs["fully_async"]
     assert all(r["staleness/max"] <= 1 for r in rows)
+    assert all(r["staleness/hist_over"] == 0 and r["staleness/hist_0"] + r["staleness/hist_1"] == 2 for r in rows)
     last = rows[-1]
     # Every produced sample is consumed, dropped or still queued: nothing lost.
     assert last["samples/produced"] == last["samples/consumed"] + last["samples/dropped_stale"] + last["queue/size_samples"]
@@ -156,8 +157,10 @@ def test_reward_that_always_fails_stops_the_run(ray_cluster, tiny_model_dir, tmp
     prompts = tmp_path / "bad.txt"
     prompts.write_text("a blue zebra\n")
     cfg = small_config("sync", tiny_model_dir, str(prompts), str(tmp_path / "run"), "reward.max_consecutive_failures=2")
-    with pytest.raises(Exception, match="consecutive reward failures"):
+    with pytest.raises(PipelineError, match="consecutive reward failures") as error:
         run(cfg)
+    assert len(str(error.value).splitlines()) == 1
+    assert os.listdir(tmp_path / "run" / "checkpoints")  # stopped with a checkpoint of the good state
 
 
 def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
