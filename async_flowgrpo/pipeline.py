@@ -103,11 +103,19 @@ class Pipeline:
         # One placement group: rollout and trainer bundles are separate, so they never share a GPU.
         bundles = [self._bundle(r.cpus_per_worker, r.gpus_per_worker)] * r.num_workers
         bundles += [self._bundle(t.cpus_per_worker, t.gpus_per_worker)] * t.num_workers
+        self.trainers, self.rollouts, self.reward_actors, self.log = [], [], [], None
         self.placement = placement_group(bundles, strategy="PACK")
+        try:
+            self._start(cfg, bundles)
+        except BaseException:
+            self.shutdown()  # no half-started actors left behind
+            raise
+
+    def _start(self, cfg: Config, bundles: list[dict]) -> None:
+        r, t = cfg.rollout, cfg.trainer
         try:
             ray.get(self.placement.ready(), timeout=cfg.ray.connect_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.placement)
             raise PipelineError(f"the cluster cannot place {len(bundles)} actors with bundles {bundles} (ray.address / *.gpus_per_worker)") from None
 
         dp_address = (node_ip(), free_port())
@@ -133,15 +141,16 @@ class Pipeline:
         self._batch_ends: deque[int] = deque()  # end ticket of each batch started, not yet collected
         self._collected_end = 0
         self.consumed_samples = 0
+        self.produced_samples = 0  # batch modes (fully_async: the queue counts)
         self.skipped_groups = 0
         self.rollout_restarts = 0
         self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async)
-        self.sync_stats = {"sync/time_s": 0.0, "sync/bytes": 0.0}
+        self.sync_totals = {"sync/total_time_s": 0.0, "sync/total_bytes": 0.0}
         self.log = RunLogger(t.output_dir, cfg, total_steps=t.total_steps, progress=cfg.logging.progress)
         self.resume_if_asked()
         self.publish_weights()  # rollout actors start from exactly the trainer's weights
         self.start_time = time.perf_counter()
-        self.start_step = self.step
+        self._consumed_at_start = self.consumed_samples  # throughput counts this process's work only
 
     @staticmethod
     def _bundle(cpus: float, gpus: float) -> dict:
@@ -211,8 +220,8 @@ class Pipeline:
                 if got["digest"] != sent.stats.digest:
                     raise PipelineError(f"weight sync: rollout actor {i} digest {got['digest'][:12]} != trainer {sent.stats.digest[:12]}")
         elapsed = time.perf_counter() - start
-        self.sync_stats["sync/time_s"] += elapsed
-        self.sync_stats["sync/bytes"] += sent.stats.bytes * len(self.rollouts)
+        self.sync_totals["sync/total_time_s"] += elapsed
+        self.sync_totals["sync/total_bytes"] += sent.stats.bytes * len(self.rollouts)
         return {"sync/time_s": elapsed, "sync/bytes": sent.stats.bytes}
 
     # -- batch modes: the driver hands out tickets ---------------------------------------------
@@ -237,6 +246,7 @@ class Pipeline:
         self._collected_end = self._batch_ends.popleft()
         kept = [g for g in groups if g is not None]
         self.skipped_groups += len(groups) - len(kept)
+        self.produced_samples += sum(g.size for g in kept)
         return kept
 
     # -- training ------------------------------------------------------------------------------
@@ -288,8 +298,10 @@ class Pipeline:
             "version": self.version,
             "time_s": elapsed,
             **train_metrics,
-            **self.sync_stats,
-            "perf/samples_per_s": self.consumed_samples / max(elapsed, 1e-9),
+            "sync/time_s": 0.0,  # this step's weight sync (the driver's extra has it when one ran)
+            "sync/bytes": 0,
+            **self.sync_totals,
+            "perf/samples_per_s": (self.consumed_samples - self._consumed_at_start) / max(elapsed, 1e-9),
             "perf/trainer_idle_frac": sum(trainer_idle) / len(trainer_idle),
             "samples/consumed": self.consumed_samples,
             "rewards/skipped_groups": self.skipped_groups,
@@ -298,7 +310,7 @@ class Pipeline:
         }
         m.update(reduce_metrics(rollout_stats))
         m["perf/rollout_idle_frac"] = sum(s["perf/rollout_idle_frac"] for s in rollout_stats) / len(rollout_stats)
-        m.setdefault("samples/produced", self.next_ticket * self.cfg.rollout.group_size)
+        m.setdefault("samples/produced", self.produced_samples)
         m.setdefault("samples/dropped_stale", 0)
         m.setdefault("queue/size", 0)
         m.update(extra or {})
@@ -388,4 +400,5 @@ class Pipeline:
         for actor in self.rollouts + self.trainers + self.reward_actors:
             ray.kill(actor)
         remove_placement_group(self.placement)
-        self.log.close()
+        if self.log is not None:
+            self.log.close()

@@ -131,8 +131,8 @@ class DiffusionPolicy:
 
     # ---------------------------------------------------------------- rollout
 
-    def sigmas(self, num_steps: int) -> Tensor:
-        return self.adapter.sigmas(num_steps)
+    def sigmas(self, num_steps: int, *, height: int | None = None, width: int | None = None) -> Tensor:
+        return self.adapter.sigmas(num_steps, height=height, width=width)
 
     def generate(
         self,
@@ -173,7 +173,7 @@ class DiffusionPolicy:
 
         gen = torch.Generator().manual_seed(seed)
         start, end = algo.sde_window(num_steps, window_size, window_range, generator=gen)
-        sigmas = self.adapter.sigmas(num_steps)
+        sigmas = self.adapter.sigmas(num_steps, height=height, width=width)  # resolution-dependent shift
         enc = self.adapter.encode_prompts(prompts, cfg=cfg)
         per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
                       (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
@@ -227,8 +227,11 @@ class DiffusionPolicy:
                     images=images[g * n : (g + 1) * n].clone(),
                     prompt_embeds=enc.embeds[g].cpu(),
                     pooled_prompt_embeds=enc.pooled[g].cpu(),
-                    negative_prompt_embeds=enc.negative_embeds[g].cpu() if cfg else None,
-                    negative_pooled_prompt_embeds=enc.negative_pooled[g].cpu() if cfg else None,
+                    # None also under guidance for guidance-distilled models (Flux-dev): no CFG batch
+                    negative_prompt_embeds=enc.negative_embeds[g].cpu() if enc.negative_embeds is not None else None,
+                    negative_pooled_prompt_embeds=(
+                        enc.negative_pooled[g].cpu() if enc.negative_pooled is not None else None
+                    ),
                     seed=seed,
                     time_generate_s=elapsed,
                 )

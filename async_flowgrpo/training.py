@@ -123,9 +123,9 @@ class TrainerActor:
         transformer = policy.adapter.transformer
         os.makedirs(path, exist_ok=True)
         if policy.lora_rank > 0:
-            from diffusers import StableDiffusion3Pipeline
             from peft.utils import get_peft_model_state_dict
 
-            StableDiffusion3Pipeline.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer))
+            pipeline_class = type(policy.adapter.pipeline)  # each family's own LoRA format
+            pipeline_class.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer))
         else:
             transformer.save_pretrained(os.path.join(path, "transformer"))

@@ -8,10 +8,13 @@ import os
 
 import torch
 
-# diffusers pipeline class -> (module, adapter class); imported lazily so that reading a config
+# diffusers pipeline class -> (module, adapter class), one per family (ModelConfig.family: sd3,
+# flux, qwen_image); imported lazily so that reading a config
 # does not pull in every family's dependencies.
 _FAMILIES = {
     "StableDiffusion3Pipeline": ("async_flowgrpo.models.sd3", "SD3Adapter"),
+    "FluxPipeline": ("async_flowgrpo.models.flux", "FluxAdapter"),
+    "QwenImagePipeline": ("async_flowgrpo.models.qwen_image", "QwenImageAdapter"),
 }
 
 

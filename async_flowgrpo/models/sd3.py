@@ -89,10 +89,11 @@ class SD3Adapter:
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
-    def sigmas(self, num_steps: int) -> Tensor:
+    def sigmas(self, num_steps: int, *, height: int | None = None, width: int | None = None) -> Tensor:
         """s_0 = 1 > ... > s_{N-1} > s_N = 0 as float32 on CPU, length num_steps + 1, with the
         scheduler's configured shift. For shift 1 this is linspace(1, 1/1000, N) then 0: the
-        FlowMatchEulerDiscreteScheduler's timesteps run from 1000 down to 1, not to 0."""
+        FlowMatchEulerDiscreteScheduler's timesteps run from 1000 down to 1, not to 0. SD3's shift
+        is fixed: height and width (Flux and Qwen-Image shift by image size) are ignored."""
         scheduler = self.pipeline.scheduler
         scheduler.set_timesteps(num_steps, device="cpu")
         return scheduler.sigmas.detach().to(torch.float32).clone()
