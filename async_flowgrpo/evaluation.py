@@ -63,7 +63,7 @@ def evaluate_policy(policy, cfg: Config) -> dict:
 
 def main(argv: list[str]) -> None:
     from async_flowgrpo.cli import config_or_exit
-    from async_flowgrpo.rollout.worker import build_policy
+    from async_flowgrpo.builders import build_policy
 
     cfg = config_or_exit("fully_async", argv)
     policy = build_policy(cfg)

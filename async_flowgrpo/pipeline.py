@@ -316,6 +316,11 @@ class Pipeline:
         m.update(extra or {})
         return m
 
+    def evaluate_at_start(self) -> None:
+        """The base model's evaluation, logged as step 0 (not repeated on resume)."""
+        if self.step == 0 and self.cfg.eval.at_start_and_end:
+            self.log.log(0, {"step": 0, "version": self.version, **self.maybe_evaluate(force=True)})
+
     def maybe_evaluate(self, force: bool = False) -> dict:
         e = self.cfg.eval
         due = (e.every and self.step % e.every == 0) or (force and e.at_start_and_end)

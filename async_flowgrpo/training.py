@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
-from async_flowgrpo.rollout.worker import build_policy, set_cpu_threads
+from async_flowgrpo.builders import build_policy, set_cpu_threads
 from async_flowgrpo.trainer import Learner
 from async_flowgrpo.types import Group
 

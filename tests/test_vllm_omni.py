@@ -44,7 +44,7 @@ def test_missing_extra_gives_the_install_hint(no_vllm_omni):
         vo.VllmOmniEngine.from_config(Config())
     with pytest.raises(ImportError, match="async_flowgrpo\\[gpu\\]"):
         vo.FlowGRPOSD3Pipeline  # noqa: B018  (worker-side classes are built lazily)
-    from async_flowgrpo.rollout.worker import build_engine
+    from async_flowgrpo.builders import build_engine
 
     cfg = Config()
     cfg.rollout.engine = "vllm_omni"

@@ -26,7 +26,7 @@ def run(cfg: Config) -> dict:
         ray.get(queue.set_version.remote(p.version), timeout=60)
         loops = [rollout.run.remote(queue) for rollout in p.rollouts]
         try:
-            p.maybe_evaluate(force=True)
+            p.evaluate_at_start()
             while p.step < cfg.trainer.total_steps:
                 groups = ray.get(queue.get_batch.remote(gps, 5.0), timeout=60)
                 for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died

@@ -14,7 +14,7 @@ from async_flowgrpo.pipeline import Pipeline
 
 def run(cfg: Config) -> dict:
     with Pipeline(cfg) as p:
-        p.maybe_evaluate(force=True)
+        p.evaluate_at_start()
         pending = p.generate_batch_async()
         while p.step < cfg.trainer.total_steps:
             groups = p.collect(pending)

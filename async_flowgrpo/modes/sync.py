@@ -8,7 +8,7 @@ from async_flowgrpo.pipeline import Pipeline
 
 def run(cfg: Config) -> dict:
     with Pipeline(cfg) as p:
-        p.maybe_evaluate(force=True)
+        p.evaluate_at_start()
         while p.step < cfg.trainer.total_steps:
             groups = p.collect(p.generate_batch_async())  # rollout ...
             metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)

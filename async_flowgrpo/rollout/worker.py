@@ -21,6 +21,7 @@ from typing import Any
 import ray
 import torch
 
+from async_flowgrpo.builders import build_engine, set_cpu_threads
 from async_flowgrpo.config import Config
 from async_flowgrpo.prompts import PromptStream, load_prompts
 from async_flowgrpo.rewards import CombinedReward, RewardError
@@ -29,51 +30,8 @@ from async_flowgrpo.types import Group
 logger = logging.getLogger(__name__)
 
 
-def set_cpu_threads(cpus: float) -> None:
-    """Match torch's intra-op threads to the CPUs Ray gave this actor (oversubscribing 2 cores
-    with 2 actors x 2 threads makes small matmuls several times slower)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, int(cpus)))
-
-
 def group_seed(base_seed: int, ticket: int) -> int:
     return (base_seed * 1_000_003 + ticket) % (2**62)
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def model_dtype(cfg: Config) -> torch.dtype | None:
-    return DTYPES.get(cfg.model.dtype)  # "auto" -> None: the policy picks bf16 on CUDA, fp32 on CPU
-
-
-def build_policy(cfg: Config, **kwargs):
-    from async_flowgrpo.config import resolve_model_path
-    from async_flowgrpo.policy import DiffusionPolicy
-
-    policy = DiffusionPolicy(
-        resolve_model_path(cfg.model.path),
-        device="cuda" if torch.cuda.is_available() else "cpu",
-        dtype=model_dtype(cfg),
-        lora_rank=cfg.model.lora_rank,
-        lora_alpha=cfg.model.lora_alpha,
-        lora_init_seed=cfg.trainer.seed,
-        **kwargs,
-    )
-    if cfg.model.gradient_checkpointing:
-        policy.adapter.transformer.enable_gradient_checkpointing()
-    return policy
-
-
-def build_engine(cfg: Config, update_point: str):
-    """The rollout engine named by rollout.engine (vllm-omni is imported only when chosen)."""
-    if cfg.rollout.engine == "vllm_omni":
-        from async_flowgrpo.rollout.vllm_omni import VllmOmniEngine
-
-        return VllmOmniEngine.from_config(cfg, update_point=update_point)
-    from async_flowgrpo.rollout.engine import DiffusersEngine
-
-    return DiffusersEngine(build_policy(cfg), update_point=update_point)
 
 
 class RolloutWorker:

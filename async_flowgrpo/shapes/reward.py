@@ -28,9 +28,10 @@ an optional relation "A left of / right of / above / below B"); M_i = detected o
              prompts with a relation): partial credit, so RL has a gradient.
 
 Boolean checks (for eval accuracy, returned as 0/1 floats):
-  color_ok    every prompted colour found and no object of another colour
+  color_ok    every prompted colour found, and objects of other colours cover < 20% of the
+              object area (purity >= 0.8)
   shape_ok    every object of a prompted colour has the prompted shape (and one exists)
-  count_ok    exactly count_i objects of each prompted colour
+  count_ok    exactly count_i objects of each prompted colour and none of any other colour
   position_ok d >= 1/16 (2 px at 32x32); true for prompts without a relation
   correct     all four (GenEval-style "all checks right"; the joint accuracy)
 """
@@ -52,6 +53,7 @@ SQUARE_MIN_CORNERS = 0.6
 SQUARE_MIN_FILL = 0.8
 MAX_ASPECT = 2.0
 POSITION_OK = 1 / 16
+PURITY_OK = 0.8
 COMPONENTS = ("color", "shape", "count", "position")
 CHECKS = ("color_ok", "shape_ok", "count_ok", "position_ok", "correct")
 
@@ -202,9 +204,9 @@ def score_image(img: np.ndarray, spec: SceneSpec) -> dict[str, float]:
         "color": color,
         "shape": float(np.mean(shape_fr)),
         "count": float(np.mean(count_sc)),
-        "color_ok": float(all(present) and not extra),
+        "color_ok": float(all(present) and purity >= PURITY_OK),
         "shape_ok": float(all(f == 1.0 for f in shape_fr)),
-        "count_ok": float(all(len(g) == o.count for g, o in zip(groups, spec.objects))),
+        "count_ok": float(all(len(g) == o.count for g, o in zip(groups, spec.objects)) and not extra),
     }
     if spec.relation is not None:
         if all(present):

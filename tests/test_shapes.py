@@ -1,0 +1,250 @@
+"""The embedded shapes task: scenes, captions, prompt sets, the pixel reward and the shipped model."""
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from async_flowgrpo.shapes.reward import detect, score_image, shapes_reward, summarize
+from async_flowgrpo.shapes.scenes import (
+    COLORS,
+    KINDS,
+    RELATIONS,
+    SHAPES,
+    ObjectSpec,
+    SceneSpec,
+    all_specs,
+    caption_to_spec,
+    layout,
+    read_jsonl,
+    render,
+    spec_to_caption,
+    split_prompts,
+    vocabulary,
+)
+
+ASSETS = os.path.join(os.path.dirname(__file__), "..", "async_flowgrpo", "assets")
+MODEL = os.path.join(ASSETS, "shapes_sd3")
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def one(color, shape, count=1):
+    return SceneSpec((ObjectSpec(color, shape, count),))
+
+
+def pair(c1, s1, rel, c2, s2):
+    return SceneSpec((ObjectSpec(c1, s1), ObjectSpec(c2, s2)), rel)
+
+
+def score(img, spec):
+    return score_image(img, spec)
+
+
+# ----------------------------------------------------------------------------- scenes
+
+
+def test_grammar_sizes():
+    assert len(COLORS) >= 6 and len(SHAPES) == 3
+    specs = all_specs()
+    assert len(specs["single"]) == 18 and len(specs["count"]) == 36
+    assert len(specs["position"]) == 18 * 15 * len(RELATIONS)
+
+
+def test_render_is_white_background_uint8_and_seeded():
+    spec = pair("red", "circle", "left of", "green", "triangle")
+    a, b = render(spec, 7), render(spec, 7)
+    assert a.shape == (32, 32, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, render(spec, 8))
+    white = (a == 255).all(-1).mean()
+    assert 0.3 < white < 0.98
+    assert render(one("blue", "square"), 0, res=64).shape == (64, 64, 3)
+
+
+def test_layout_respects_relation_and_gap():
+    rng = random.Random(0)
+    for rel in RELATIONS:
+        for _ in range(20):
+            a, b = layout(pair("red", "square", rel, "blue", "circle"), rng)
+            (ax, ay), (bx, by) = a.center, b.center
+            ok = {"left of": bx - ax, "right of": ax - bx, "above": by - ay, "below": ay - by}[rel]
+            assert ok >= 8
+    for _ in range(20):
+        placed = layout(one("red", "square", 3), rng)
+        assert len(placed) == 3
+
+
+def test_caption_spec_round_trip_all():
+    for kind, specs in all_specs().items():
+        for s in specs:
+            cap = spec_to_caption(s)
+            assert caption_to_spec(cap) == s
+            assert s.kind == kind
+            assert SceneSpec.from_dict(s.to_dict()) == s
+            assert set(cap.split()) <= set(vocabulary())
+            assert len(cap.split()) + 2 <= 12  # fits the model's CLIP text length
+
+
+def test_caption_examples_and_errors():
+    assert spec_to_caption(one("red", "circle")) == "a red circle"
+    assert spec_to_caption(one("blue", "square", 2)) == "two blue squares"
+    assert caption_to_spec("A red circle left of a green triangle.") == pair("red", "circle", "left of", "green", "triangle")
+    for bad in ["a pink circle", "two red circle", "a red hexagon", "a red circle left of a red square", "banana"]:
+        with pytest.raises(ValueError):
+            caption_to_spec(bad)
+
+
+def test_prompt_files_match_split_and_are_disjoint():
+    train = read_jsonl(os.path.join(ASSETS, "prompts", "shapes_train.jsonl"))
+    evals = read_jsonl(os.path.join(ASSETS, "prompts", "shapes_eval.jsonl"))
+    tr, ev = split_prompts()
+    assert [r["prompt"] for r in train] == [spec_to_caption(s) for s in tr]
+    assert [r["prompt"] for r in evals] == [spec_to_caption(s) for s in ev]
+    assert len(evals) == 64
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+    for r in train + evals:
+        assert SceneSpec.from_dict(r["spec"]) == caption_to_spec(r["prompt"])
+    assert {r["spec"]["kind"] for r in evals} == set(KINDS)
+
+
+# ----------------------------------------------------------------------------- reward
+
+
+def ground_truth_cases(n_per_kind=60, seed=0):
+    rng = random.Random(seed)
+    specs = all_specs()
+    for kind in KINDS:
+        for _ in range(n_per_kind):
+            s = rng.choice(specs[kind])
+            yield s, render(s, rng)
+
+
+def test_reward_ground_truth_scores_one_for_every_kind():
+    for spec, img in ground_truth_cases():
+        r = score(img, spec)
+        assert r["score"] == pytest.approx(1.0), (spec_to_caption(spec), r)
+        assert r["correct"] == 1.0
+
+
+def test_reward_every_colour_and_shape_detected():
+    for c in COLORS:
+        for s in SHAPES:
+            dets = detect(render(one(c, s), 3))
+            assert [(d.color, d.shape) for d in dets] == [(c, s)]
+
+
+def test_reward_wrong_colour():
+    img = render(one("red", "circle"), 0)
+    r = score(img, one("blue", "circle"))
+    assert r["color"] == 0 and r["color_ok"] == 0 and r["score"] < 0.1
+    img = render(pair("red", "circle", "left of", "cyan", "square"), 0)
+    r = score(img, pair("red", "circle", "left of", "green", "square"))
+    assert r["color_ok"] == 0 and r["color"] <= 0.5 and r["score"] < 0.6 and r["correct"] == 0
+
+
+def test_reward_wrong_shape():
+    for s, wrong in [("circle", "square"), ("square", "triangle"), ("triangle", "circle")]:
+        img = render(one("green", s), 1)
+        r = score(img, one("green", wrong))
+        assert r["shape"] == 0 and r["shape_ok"] == 0 and r["correct"] == 0
+        assert r["score"] == pytest.approx(2 / 3)  # colour and count right, shape wrong
+
+
+def test_reward_wrong_count():
+    img = render(one("yellow", "square", 3), 2)
+    r = score(img, one("yellow", "square", 2))
+    assert r["count_ok"] == 0 and r["count"] == pytest.approx(0.5) and r["correct"] == 0
+    r = score(render(one("yellow", "square"), 2), one("yellow", "square", 3))
+    assert r["count"] == pytest.approx(1 / 3)
+
+
+def test_reward_wrong_position():
+    for rel in RELATIONS:
+        spec = pair("purple", "triangle", rel, "cyan", "circle")
+        img = render(pair("purple", "triangle", OPPOSITE[rel], "cyan", "circle"), 4)
+        r = score(img, spec)
+        assert r["position"] == 0 and r["position_ok"] == 0 and r["correct"] == 0
+        assert r["score"] == pytest.approx(0.75)
+
+
+def test_reward_blank_noise_and_extra_objects():
+    blank = np.full((32, 32, 3), 255, np.uint8)
+    r = score(blank, one("red", "circle"))
+    assert r["score"] == 0 and r["correct"] == 0
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, (8, 32, 32, 3), dtype=np.uint8)
+    out = shapes_reward(torch.from_numpy(noise), ["a red circle left of a blue square"] * 8, None)
+    for k, v in out.items():
+        assert v.shape == (8,) and ((v >= 0) & (v <= 1)).all(), k
+    # the right object plus an unrequested one: colour purity and the joint check drop
+    img = render(pair("red", "circle", "left of", "blue", "square"), 5)
+    r = score(img, one("red", "circle"))
+    assert r["color_ok"] == 0 and 0 < r["color"] < 1 and r["count_ok"] == 0 and r["correct"] == 0
+    # a small stray blob of another colour: colour still right, but not "exactly one object"
+    img = render(one("red", "circle"), 0)
+    img[0:3, 0:3] = COLORS["blue"]
+    r = score(img, one("red", "circle"))
+    assert r["color_ok"] == 1 and r["count_ok"] == 0 and r["correct"] == 0 and 0.75 < r["score"] < 1
+
+
+def test_shapes_reward_batch_api_spec_metadata_and_summary():
+    specs = [one("red", "circle"), one("blue", "triangle", 2), pair("green", "square", "above", "yellow", "circle")]
+    imgs = torch.from_numpy(np.stack([render(s, i) for i, s in enumerate(specs)]))
+    prompts = [spec_to_caption(s) for s in specs]
+    out = shapes_reward(imgs, prompts, [{} for _ in specs])
+    assert set(out) >= {"score", "color", "shape", "count", "position", "correct"}
+    assert torch.allclose(out["score"], torch.ones(3))
+    # spec in metadata overrides the prompt text (also as a dict from the JSONL files)
+    wrong = [{"spec": one("red", "square").to_dict()}, {"spec": specs[1]}, {"spec": specs[2].to_dict()}]
+    out2 = shapes_reward(imgs, prompts, wrong)
+    assert out2["shape"][0] == 0 and out2["score"][1:].eq(1).all()
+    # float [0,1] channels-first input is accepted too
+    out3 = shapes_reward(imgs.permute(0, 3, 1, 2).float() / 255, prompts, None)
+    assert torch.allclose(out3["score"], out["score"])
+    summ = summarize(out, [s.kind for s in specs])
+    assert summ["joint_acc"] == 1.0 and summ["color_acc"] == 1.0
+
+
+# ----------------------------------------------------------------------------- shipped model
+
+
+@pytest.fixture(scope="module")
+def shipped_pipe():
+    from diffusers import StableDiffusion3Pipeline
+
+    assert os.path.exists(os.path.join(MODEL, "model_index.json")), "shipped shapes model missing"
+    pipe = StableDiffusion3Pipeline.from_pretrained(MODEL, text_encoder_3=None, tokenizer_3=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_shipped_model_is_small_and_covers_vocabulary(shipped_pipe):
+    from async_flowgrpo.models.tiny_sd3 import read_model_settings
+
+    size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(MODEL) for f in fs)
+    assert size < 8 * 2**20
+    settings = read_model_settings(MODEL)
+    assert settings["resolution"] == 32 and settings["max_sequence_length"] >= 1
+    for tok in (shipped_pipe.tokenizer, shipped_pipe.tokenizer_2):
+        ids = tok([spec_to_caption(s) for ss in all_specs().values() for s in ss[:50]]).input_ids
+        assert all(tok.unk_token_id not in row for row in ids)
+    assert shipped_pipe.transformer.dtype == torch.float32 == shipped_pipe.text_encoder.dtype
+
+
+def test_shipped_model_generates_32px_quickly(shipped_pipe):
+    from async_flowgrpo.models.tiny_sd3 import read_model_settings
+
+    settings = read_model_settings(MODEL)
+    prompts = ["a red circle", "two blue squares", "a green triangle left of a yellow square", "a cyan circle"]
+    t = time.time()
+    out = shipped_pipe(prompts, num_inference_steps=8, guidance_scale=4.5, height=32, width=32,
+                       max_sequence_length=settings["max_sequence_length"], output_type="pt",
+                       generator=torch.Generator().manual_seed(0))
+    assert time.time() - t < 60
+    img = out.images
+    assert img.shape == (4, 3, 32, 32) and torch.isfinite(img).all()
+    r = shapes_reward(img, prompts, None)
+    assert ((r["score"] >= 0) & (r["score"] <= 1)).all()
