@@ -108,7 +108,9 @@ def test_missing_and_invalid_model_path(tmp_path):
         load_config("fully_async", [f"model.path={tmp_path / 'not_a_model'}"])
 
 
-def test_model_family_file_requires_path():
-    sd35 = os.path.join(os.path.dirname(__file__), "..", "config", "model", "sd35_medium.yaml")
+@pytest.mark.parametrize("name", ["sd35_medium", "flux_dev", "qwen_image"])
+def test_model_family_file_requires_a_real_path(name, tiny_model_dir):
+    family_file = os.path.join(os.path.dirname(__file__), "..", "config", "model", f"{name}.yaml")
     with pytest.raises(ConfigError, match="model.path"):
-        load_config("fully_async", [sd35])
+        load_config("fully_async", [family_file])
+    assert load_config("fully_async", [family_file, f"model.path={tiny_model_dir}"]).model.path == tiny_model_dir

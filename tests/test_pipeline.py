@@ -47,6 +47,7 @@ def small_config(mode, model_dir, prompts, output_dir, *extra):
             "rollout.group_size=2",
             "rollout.groups_per_step=2",
             "rollout.num_steps=4",
+            "rollout.sde_window_size=0",
             "rollout.cpus_per_worker=0.25",
             "trainer.cpus_per_worker=0.25",
             "trainer.micro_batch_size=4",
