@@ -153,9 +153,10 @@ def steady_state(rows: list[dict], warmup: int) -> dict:
     """Throughput and shares between the row of step `warmup` and the last row.
 
     samples_per_s = consumed-samples difference / time_s difference (excludes actor start-up and
-    the warm-up steps); sync_time_frac = difference of the cumulative sync/time_s over the same
-    time; idle fractions are time-weighted means of the per-step windows after the warm-up row.
+    the warm-up steps); sync_time_frac = sum of the per-step sync/time_s over the same time;
+    idle fractions are time-weighted means of the per-step windows after the warm-up row.
     """
+    rows = [r for r in rows if "samples/consumed" in r]  # trainer steps, not a step-0 evaluation row
     if len(rows) < warmup + 2:
         raise ValueError(f"need more than warmup + 1 = {warmup + 1} steps, got {len(rows)}")
     w = rows[warmup - 1] if warmup > 0 else None

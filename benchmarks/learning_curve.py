@@ -3,7 +3,7 @@
 sync vs fully_async, several seeds, on the embedded shapes model with the shapes reward.
 
 Every run uses the embedded default configuration (config/base.yaml: batch 8 x 4, 10 denoising
-steps, all but the last trained) with periodic held-out evaluation (eval.every, ODE sampling on
+steps, its SDE window) with periodic held-out evaluation (eval.every, ODE sampling on
 shapes_eval, fixed seeds) and the same 1 rollout + 1 trainer actor resources; runs are
 interleaved (sync seed 0, fully_async seed 0, sync seed 1, ...) so load drift hits both modes.
 Seed s sets trainer.seed = s and rollout.seed = s (prompt order, sampling noise, LoRA init).

@@ -437,7 +437,7 @@ def main(argv=None) -> dict:
 
         base = [f"model.path={model}", *DEFAULTS, *res_overrides, *args.common]
         if not given(args.common, "rollout.sde_window_size"):
-            num_steps = config("sync", base).rollout.num_steps
+            num_steps = config("sync", base + ["rollout.sde_window_size=0"]).rollout.num_steps  # base.yaml's window may not fit
             window = max(1, round(DEFAULT_WINDOW_FRACTION * (num_steps - 1)))
             base.insert(-len(args.common) or len(base), f"rollout.sde_window_size={window}")
         cap, chosen, tried = balanced_capacity(args, base, workdir)
@@ -494,6 +494,11 @@ def main(argv=None) -> dict:
             if s["efficiency_vs_sequential"] > 1.05:
                 verdicts.append("WARNING: sync ran faster than its own capacities allow: the capacities were measured "
                                 "under more load than the modes ran under (a busy machine); the efficiencies are not trustworthy")
+        busy_others = [f"{mode} run {i + 1}: {r['cpu']['other']:.2f}" for mode, rs in runs.items()
+                       for i, r in enumerate(rs) if r.get("cpu") and r["cpu"]["other"] > 0.1]
+        if busy_others:
+            verdicts.append(f"WARNING: other jobs used CPU during the steady state (cores: {'; '.join(busy_others)}): "
+                            f"those runs measure the machine's load, not the modes; rerun on a quiet machine")
         if cap["drift"] > 0.10:
             verdicts.append(f"WARNING: the capacity measurements differ by up to {100 * cap['drift']:.0f}% from their mean "
                             f"(load average {os.getloadavg()[0]:.1f} now; see ext cpu): the machine's speed drifted")
