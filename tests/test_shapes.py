@@ -248,3 +248,16 @@ def test_shipped_model_generates_32px_quickly(shipped_pipe):
     assert img.shape == (4, 3, 32, 32) and torch.isfinite(img).all()
     r = shapes_reward(img, prompts, None)
     assert ((r["score"] >= 0) & (r["score"] <= 1)).all()
+
+
+def test_reward_splits_touching_objects_of_different_colours():
+    from async_flowgrpo.shapes.scenes import Placed, draw
+
+    img = draw([Placed("red", "square", 6, 10, 10), Placed("blue", "square", 16, 10, 10)])
+    dets = detect(img)
+    assert sorted((d.color, d.shape) for d in dets) == [("blue", "square"), ("red", "square")]
+    r = score(img, pair("red", "square", "left of", "blue", "square"))
+    assert r["color_ok"] == 1 and r["count_ok"] == 1 and r["position_ok"] == 1
+    # touching objects of one colour are one object: the count is wrong
+    img = draw([Placed("red", "square", 6, 10, 10), Placed("red", "square", 16, 10, 10)])
+    assert score(img, one("red", "square", 2))["count_ok"] == 0

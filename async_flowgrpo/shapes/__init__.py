@@ -1,5 +1,6 @@
 """The embedded "shapes" task: procedural scenes, a pixel-level reward, and the pretraining script."""
 
+from .reward import shapes_reward, summarize
 from .scenes import (
     COLORS,
     RELATIONS,
@@ -20,6 +21,8 @@ __all__ = [
     "SceneSpec",
     "caption_to_spec",
     "render",
+    "shapes_reward",
+    "summarize",
     "spec_to_caption",
     "vocabulary",
 ]

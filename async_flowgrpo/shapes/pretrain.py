@@ -1,6 +1,6 @@
 """Pretrain the embedded "shapes" text-to-image model (real SD3 architecture, tiny sizes).
 
-    python -m async_flowgrpo.shapes.pretrain --out async_flowgrpo/assets/shapes_sd3 [--minutes 10] [--seed 0]
+    python -m async_flowgrpo.shapes.pretrain --out async_flowgrpo/assets/shapes_sd3 [--seed 0] [--minutes 10]
 
 Stages (all on CPU; one torch thread by default):
  1. draw a pool of procedural scenes from the *train* prompt split (eval prompts are never drawn);
@@ -12,11 +12,17 @@ Stages (all on CPU; one torch thread by default):
  4. save with `save_pipeline` (transformer + VAE in fp16, the tiny text encoders in fp32 so a plain
     `from_pretrained` yields a consistent fp32 pipeline under both diffusers and transformers v5).
 
-Reproducibility: everything is seeded. Each stage runs a fixed number of steps (--vae-steps,
---steps) unless the wall-clock budget (--minutes, split 20/75 between the stages) runs out first;
-the learning-rate schedule follows whichever is further along, so a slow machine still ends with
-an annealed model. The log states the steps actually run; rerun with
-`--minutes 0 --vae-steps A --steps B` to reproduce a run exactly on any machine.
+Reproducibility: everything is seeded and, by default (--minutes 0), each stage runs a fixed
+number of steps (--vae-steps, --steps), so a rerun gives the same weights. The defaults take about
+10 minutes of one CPU core (~650 CPU-seconds: VAE ~1 min, transformer ~9 min); the log prints CPU
+seconds, which mean more than wall time on a shared machine. --minutes M adds a wall-clock cap
+(stages split 20/75): the learning-rate schedule then follows whichever of steps or time is further
+along, so a slow machine still ends with an annealed model, and the log states the steps actually
+run (rerun with `--minutes 0 --vae-steps A --steps B` to reproduce it).
+
+Threads: one by default. On a busy 2-core machine two OpenMP threads ran 10-20x *slower* than one
+(barrier stalls whenever a thread is descheduled); pass --threads 2 only on an idle machine.
+The VAE trains on random 16x16 crops (it is convolutional; 4x cheaper, same result).
 """
 
 from __future__ import annotations

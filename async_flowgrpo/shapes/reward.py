@@ -3,10 +3,11 @@
 Detection (per image, RGB uint8):
   * a pixel is *foreground* when its chroma (max - min channel) >= CHROMA_MIN; white, greys and
     black are background;
-  * objects are the 8-connected components of foreground, ignoring specks < MIN_AREA px (objects
-    that touch count as one);
-  * an object's colour is the palette colour (red, yellow, green, cyan, blue, purple) of nearest
-    hue, by chroma-weighted majority over its pixels;
+  * blobs are the 8-connected components of foreground, ignoring specks < MIN_AREA px; a blob's
+    colour is the palette colour (red, yellow, green, cyan, blue, purple) of nearest hue, by
+    chroma-weighted majority over its pixels; a blob where a second colour holds >= 25% of that
+    weight is split into per-colour objects (two touching objects of different colours); touching
+    objects of one colour stay one object;
   * shape and position are measured on the object's core (pixels >= half its 90th-percentile
     chroma), so soft edges do not change them;
   * an object's shape comes from its bounding box: "other" if the aspect ratio > 2; "triangle" if
@@ -54,6 +55,7 @@ SQUARE_MIN_FILL = 0.8
 MAX_ASPECT = 2.0
 POSITION_OK = 1 / 16
 PURITY_OK = 0.8
+SPLIT_SHARE = 0.25
 COMPONENTS = ("color", "shape", "count", "position")
 CHECKS = ("color_ok", "shape_ok", "count_ok", "position_ok", "correct")
 
@@ -72,8 +74,9 @@ class Detection:
     cy: float
 
 
-def pixel_hues(img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(chroma [H, W], palette index of nearest hue [H, W]) of an RGB uint8 image."""
+def pixel_hues(img: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chroma [H, W], palette index of nearest hue [H, W], hue distance to each palette colour
+    [H, W, len(COLORS)] in degrees) of an RGB uint8 image."""
     rgb = img.astype(np.float32)
     mx, mn = rgb.max(-1), rgb.min(-1)
     chroma = mx - mn
@@ -82,12 +85,12 @@ def pixel_hues(img: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     h = np.where(mx == r, ((g - b) / c) % 6, np.where(mx == g, (b - r) / c + 2, (r - g) / c + 4)) * 60.0
     dist = np.abs(h[..., None] - _HUES)
     dist = np.minimum(dist, 360.0 - dist)
-    return chroma, dist.argmin(-1)
+    return chroma, dist.argmin(-1), dist
 
 
 def classify_pixels(img: np.ndarray) -> np.ndarray:
     """[H, W] int: -1 background, else index into COLORS (by nearest hue)."""
-    chroma, label = pixel_hues(img)
+    chroma, label, _ = pixel_hues(img)
     return np.where(chroma >= CHROMA_MIN, label, -1)
 
 
@@ -145,15 +148,29 @@ def shape_of(fill: float, halves: float, corners: float, aspect: float) -> str:
     return "circle"
 
 
+def _object(name: str, ys: np.ndarray, xs: np.ndarray, ch: np.ndarray) -> Detection:
+    core = ch >= 0.5 * np.percentile(ch, 90)
+    cy, cx = ys[core], xs[core]
+    x0, x1, y0, y1 = cx.min(), cx.max(), cy.min(), cy.max()
+    mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), dtype=bool)
+    mask[cy - y0, cx - x0] = True
+    fill, halves, corners, aspect = shape_features(mask)
+    return Detection(name, shape_of(fill, halves, corners, aspect), len(ys), fill,
+                     (int(x0), int(y0), int(x1), int(y1)), float(cx.mean() + 0.5), float(cy.mean() + 0.5))
+
+
 def detect(img: np.ndarray) -> list[Detection]:
     """Objects in one RGB uint8 [H, W, 3] image.
 
-    An object is an 8-connected component of foreground (chromatic) pixels of at least MIN_AREA
-    pixels; its colour is the chroma-weighted majority hue of its pixels (robust to a decoder's
-    colour noise inside a shape); its shape is judged on its core, the pixels with at least half
-    the component's typical (90th percentile) chroma, so a soft halo does not round off corners.
+    Blobs are 8-connected components of foreground (chromatic) pixels of at least MIN_AREA pixels.
+    A blob's colour is the chroma-weighted majority hue of its pixels (robust to a decoder's colour
+    noise inside a shape). A blob in which a second colour holds >= SPLIT_SHARE of the weight is
+    two touching objects: its pixels go to the nearer of its major colours and each colour's
+    connected parts become objects. Shape and centre are judged on an object's core, the pixels
+    with at least half its typical (90th percentile) chroma, so a soft halo does not round corners.
     """
-    chroma, hue = pixel_hues(img)
+    chroma, hue, dist = pixel_hues(img)
+    h, w = chroma.shape
     fg = (chroma >= CHROMA_MIN).astype(np.int64) - 1  # 0 foreground, -1 background
     dets = []
     for _, pix in _components(fg):
@@ -162,15 +179,19 @@ def detect(img: np.ndarray) -> list[Detection]:
         p = np.asarray(pix)
         ys, xs = p[:, 0], p[:, 1]
         ch = chroma[ys, xs]
-        ci = int(np.bincount(hue[ys, xs], weights=ch, minlength=len(_NAMES)).argmax())
-        core = ch >= 0.5 * np.percentile(ch, 90)
-        cy, cx = ys[core], xs[core]
-        x0, x1, y0, y1 = cx.min(), cx.max(), cy.min(), cy.max()
-        mask = np.zeros((y1 - y0 + 1, x1 - x0 + 1), dtype=bool)
-        mask[cy - y0, cx - x0] = True
-        fill, halves, corners, aspect = shape_features(mask)
-        dets.append(Detection(_NAMES[ci], shape_of(fill, halves, corners, aspect), len(pix), fill,
-                              (int(x0), int(y0), int(x1), int(y1)), float(cx.mean() + 0.5), float(cy.mean() + 0.5)))
+        weight = np.bincount(hue[ys, xs], weights=ch, minlength=len(_NAMES))
+        major = np.nonzero(weight >= SPLIT_SHARE * weight.sum())[0]
+        if len(major) <= 1:
+            dets.append(_object(_NAMES[int(weight.argmax())], ys, xs, ch))
+            continue
+        nearest = major[dist[ys, xs][:, major].argmin(-1)]
+        sub = np.full((h, w), -1, dtype=np.int64)
+        sub[ys, xs] = nearest
+        for ci, part in _components(sub):
+            if len(part) < MIN_AREA:
+                continue
+            q = np.asarray(part)
+            dets.append(_object(_NAMES[ci], q[:, 0], q[:, 1], chroma[q[:, 0], q[:, 1]]))
     return dets
 
 
