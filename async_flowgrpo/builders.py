@@ -25,10 +25,10 @@ def model_dtype(cfg: Config) -> torch.dtype | None:
 def build_policy(cfg: Config, **kwargs):
     from async_flowgrpo.policy import DiffusionPolicy
 
+    kwargs.setdefault("dtype", model_dtype(cfg))
     policy = DiffusionPolicy(
         resolve_model_path(cfg.model.path),
         device="cuda" if torch.cuda.is_available() else "cpu",
-        dtype=model_dtype(cfg),
         lora_rank=cfg.model.lora_rank,
         lora_alpha=cfg.model.lora_alpha,
         lora_init_seed=cfg.trainer.seed,

@@ -70,6 +70,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
     mini_batches: int = 1  # optimizer steps per batch
+    fsdp: bool = False  # shard the transformer over the trainers (torch fully_shard); else replicate (DDP-style)
     checkpoint_every: int = 50
     sample_every: int = 10  # steps between saved PNG grids of rollout samples
 

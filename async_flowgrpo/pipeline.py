@@ -210,11 +210,19 @@ class Pipeline:
             self.connect_sync_group()
             return self._publish()
 
+    def on_trainers(self, method: str, *args, timeout: float = 600):
+        """Call a rank-0 trainer method: on rank 0 alone, or, when the weights are sharded (FSDP),
+        on every rank, since gathering them is collective; returns rank 0's answer."""
+        ranks = self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
+        return ray.get([getattr(t, method).remote(*args) for t in ranks], timeout=timeout)[0]
+
     def _publish(self) -> dict:
         start = time.perf_counter()
-        push = self.trainers[0].push.remote(self.version)
+        ranks = self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
+        push, *gathering = [t.push.remote(self.version) for t in ranks]  # only rank 0 sends
         pulls = [rollout.pull.remote([push]) for rollout in self.rollouts]
         sent, *received = ray.get([push, *pulls], timeout=self.cfg.sync.timeout_s)
+        ray.get(gathering, timeout=self.cfg.sync.timeout_s)
         if self.cfg.sync.verify:
             for i, got in enumerate(received):
                 if got["digest"] != sent.stats.digest:
@@ -326,7 +334,7 @@ class Pipeline:
         due = (e.every and self.step % e.every == 0) or (force and e.at_start_and_end)
         if not due:
             return {}
-        result = ray.get(self.trainers[0].evaluate.remote(self.step), timeout=3600)
+        result = self.on_trainers("evaluate", self.step, timeout=3600)
         self.log.log_images(self.step, "eval", result["images"], result["captions"])
         return result["metrics"]
 
@@ -349,11 +357,11 @@ class Pipeline:
             "version": self.version,
             "next_ticket": self.trained_ticket_end,
             "consumed_samples": self.consumed_samples,
-            "learner": ray.get(self.trainers[0].state_dict.remote(), timeout=600),
+            "learner": self.on_trainers("state_dict"),
             **self.checkpoint_extra(),
         }
         torch.save(state, os.path.join(path, "state.pt"))
-        ray.get(self.trainers[0].save_weights.remote(os.path.join(path, "weights")), timeout=600)
+        self.on_trainers("save_weights", os.path.join(path, "weights"))
         return path
 
     def resume_if_asked(self) -> dict:

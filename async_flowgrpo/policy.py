@@ -88,6 +88,10 @@ class DiffusionPolicy:
     def has_reference(self) -> bool:
         return self.lora_rank > 0 or self._ref_transformer is not None
 
+    def transformers(self) -> list[nn.Module]:
+        """The transformer and, for full fine-tuning with a KL term, its frozen reference copy."""
+        return [self.adapter.transformer] + ([self._ref_transformer] if self._ref_transformer is not None else [])
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self._trainable_named()]
 

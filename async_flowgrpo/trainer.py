@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from async_flowgrpo import algo
 from async_flowgrpo.policy import DiffusionPolicy
@@ -209,7 +210,8 @@ class Learner:
                     p.grad = torch.zeros_like(p)
             if self.grad_all_reduce is not None:
                 self.grad_all_reduce(self.params)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # DTensor under FSDP
             if not (math.isfinite(grad_norm) and bool(torch.isfinite(mb_pg + mb_kl))):
                 skipped += 1  # a NaN/inf update would poison the weights for good: drop it
             else:

@@ -3,6 +3,11 @@
 `TrainerActor` is a thin Ray shell around `trainer.Learner`. Trainers form their own process group
 (gloo on CPU, NCCL on CUDA) for the gradient all-reduce; the weight-sync group with the rollout
 actors is a separate one (async_flowgrpo.sync), so the two never interfere.
+
+Two data-parallel layouts (trainer.fsdp): replicated weights with one flat gradient all-reduce, or
+the transformer sharded with FSDP2 (async_flowgrpo.fsdp). Sharded, the calls that need whole
+weights (push, evaluate, digest, checkpoint) are collective: the driver calls them on every rank
+(`Pipeline.on_trainers`) and rank 0 answers.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import torch.distributed as dist
 
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
-from async_flowgrpo.builders import build_policy, set_cpu_threads
+from async_flowgrpo import fsdp
+from async_flowgrpo.builders import build_policy, model_dtype, set_cpu_threads
+from async_flowgrpo.policy import default_dtype
 from async_flowgrpo.trainer import Learner
 from async_flowgrpo.types import Group
 
@@ -35,8 +42,16 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
 
 
 def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
+    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
     a, t = cfg.algorithm, cfg.trainer
-    policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0)
+    if t.fsdp:
+        # fp32 master weights, sharded; FSDP casts them to the model dtype (bf16 on CUDA) to compute
+        policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, dtype=torch.float32)
+        compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
+        for transformer in policy.transformers():
+            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+    else:
+        policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0)
     return Learner(
         policy,
         lr=t.lr,
@@ -58,12 +73,14 @@ class TrainerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, dp_address: tuple[str, int], transport):
         set_cpu_threads(cfg.trainer.cpus_per_worker)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.sharded = cfg.trainer.fsdp
         torch.manual_seed(cfg.trainer.seed + rank)
-        if world_size > 1:
+        if world_size > 1 or self.sharded:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             host, port = dp_address
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
-        self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if world_size > 1 else None)
+        replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
+        self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
         self._busy = 0.0
@@ -85,7 +102,12 @@ class TrainerActor:
         self._busy, self._window_start = 0.0, now
         return frac
 
-    # -- weight sync (rank 0) ------------------------------------------------------------------
+    # -- whole weights: rank 0's, gathered from every rank when sharded -------------------------
+    def _trainable_state(self) -> dict[str, torch.Tensor]:
+        """Collective when sharded (every rank must call); rank 0 gets the weights, others {}."""
+        state = self.learner.policy.trainable_state()
+        return fsdp.gather(state.items(), keep=self.rank == 0) if self.sharded else state
+
     def sync_address(self):
         return self.sender.new_address()
 
@@ -94,38 +116,67 @@ class TrainerActor:
 
     def push(self, version: int):
         start = time.perf_counter()
-        result = self.sender.send(self.learner.policy.trainable_state(), version)
+        state = self._trainable_state()
+        result = self.sender.send(state, version) if self.rank == 0 else None
         self._busy += time.perf_counter() - start
         return result
 
-    def weights_digest(self) -> str:
+    def weights_digest(self) -> str | None:
         from async_flowgrpo.sync import digest
 
-        return digest(self.learner.policy.trainable_state())
+        state = self._trainable_state()
+        return digest(state) if self.rank == 0 else None
 
-    # -- evaluation and checkpoints (rank 0) ---------------------------------------------------
-    def evaluate(self, step: int) -> dict:
+    # -- evaluation and checkpoints ------------------------------------------------------------
+    def evaluate(self, step: int) -> dict | None:
+        """Sharded, every rank runs the same evaluation (each forward all-gathers the blocks)."""
         from async_flowgrpo.evaluation import evaluate_policy
 
-        return evaluate_policy(self.learner.policy, self.cfg)
+        result = evaluate_policy(self.learner.policy, self.cfg)
+        if self.sharded:
+            for transformer in self.learner.policy.transformers():
+                fsdp.reshard(transformer)
+        return result if self.rank == 0 else None
 
-    def state_dict(self) -> dict:
-        return {**self.learner.state_dict(), "rng": torch.get_rng_state()}
+    def state_dict(self) -> dict | None:
+        if not self.sharded:
+            return {**self.learner.state_dict(), "rng": torch.get_rng_state()}
+        transformer = self.learner.policy.adapter.transformer
+        trainable = self._trainable_state()
+        optimizer = fsdp.optimizer_state(transformer, self.learner.optimizer)  # keyed by name, any world size
+        return {"trainable": trainable, "optimizer": optimizer, "rng": torch.get_rng_state()} if self.rank == 0 else None
 
     def load_state_dict(self, state: dict) -> None:
-        self.learner.load_state_dict(state)
+        """Every rank gets the same whole state (sharded: each keeps its shards)."""
+        if self.sharded:
+            fsdp.load_state(self.learner.policy.adapter.transformer, self.learner.optimizer, state["trainable"], state["optimizer"])
+        else:
+            self.learner.load_state_dict(state)
         if "rng" in state:
             torch.set_rng_state(state["rng"])
 
     def save_weights(self, path: str) -> None:
-        """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer."""
+        """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer
+        directory (config + safetensors), loadable by `from_pretrained`."""
         policy = self.learner.policy
         transformer = policy.adapter.transformer
+        state = self._trainable_state()
+        if self.rank != 0:
+            return
         os.makedirs(path, exist_ok=True)
         if policy.lora_rank > 0:
             from peft.utils import get_peft_model_state_dict
 
             pipeline_class = type(policy.adapter.pipeline)  # each family's own LoRA format
-            pipeline_class.save_lora_weights(path, transformer_lora_layers=get_peft_model_state_dict(transformer))
+            lora = get_peft_model_state_dict(transformer, state_dict=state)
+            pipeline_class.save_lora_weights(path, transformer_lora_layers=lora)
+        elif self.sharded:
+            from safetensors.torch import save_file
+
+            out = os.path.join(path, "transformer")
+            buffers = {k: v.cpu() for k, v in transformer.state_dict().items() if k not in state}  # e.g. pos_embed
+            transformer.save_config(out)
+            save_file({k: v.contiguous() for k, v in {**state, **buffers}.items()},
+                      os.path.join(out, "diffusion_pytorch_model.safetensors"))
         else:
             transformer.save_pretrained(os.path.join(path, "transformer"))

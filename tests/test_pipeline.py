@@ -300,3 +300,42 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     assert len(rows) == 2
     assert rows[-1]["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
     assert rows[-1]["samples/consumed"] == 2 * 3 * 2
+
+
+def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """Full fine-tuning sharded over 2 trainers (FSDP2) gives the update of 1 unsharded trainer; the
+    gathered weights reach the rollout actor (digest-verified), evaluate, and resume exactly."""
+    common = ("model.lora_rank=0", "trainer.lr=1e-3", "eval.samples_per_prompt=1")
+    layouts = {"replicated": ("trainer.num_workers=1",), "fsdp": ("trainer.num_workers=2", "trainer.fsdp=true")}
+    weights, checkpoint = {}, None
+    for name, extra in layouts.items():
+        p = Pipeline(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / name), *common, *extra))
+        try:
+            p.train(p.collect(p.generate_batch_async()))  # same tickets, seeds and weights for both
+            p.version += 1
+            p.publish_weights()  # sync.verify: raises unless the rollout's digest equals the trainer's
+            metrics = p.on_trainers("evaluate", 1, timeout=300)["metrics"]
+            assert 0.0 <= metrics["eval/reward"] <= 1.0
+            p.step = 1
+            checkpoint = p.save_checkpoint()
+            weights[name] = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["learner"]["trainable"]
+            digest = p.on_trainers("weights_digest")
+        finally:
+            p.shutdown()
+    from diffusers import SD3Transformer2DModel
+
+    base = dict(SD3Transformer2DModel.from_pretrained(tiny_model_dir, subfolder="transformer").named_parameters())
+    assert weights["fsdp"].keys() == weights["replicated"].keys() == base.keys()
+    assert any(not torch.equal(weights["fsdp"][n], base[n]) for n in base), "the update reached no weight"
+    for n in weights["replicated"]:
+        torch.testing.assert_close(weights["fsdp"][n], weights["replicated"][n], rtol=1e-5, atol=1e-6)
+    saved = SD3Transformer2DModel.from_pretrained(os.path.join(checkpoint, "weights", "transformer"))
+    for n, p in saved.named_parameters():
+        torch.testing.assert_close(p, weights["fsdp"][n], rtol=0, atol=0)
+
+    resumed = Pipeline(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / "resumed"), *common,
+                                    *layouts["fsdp"], f"trainer.resume={checkpoint}"))
+    try:
+        assert resumed.on_trainers("weights_digest") == digest
+    finally:
+        resumed.shutdown()
