@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 
@@ -28,6 +29,7 @@ PROMPTS_PER_CALL = 16
 def evaluate_policy(policy, cfg: Config) -> dict:
     """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}."""
     e, r = cfg.eval, cfg.rollout
+    start_time = time.perf_counter()
     prompts = load_prompts(e.prompts)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
     images, texts, metadata = [], [], []
@@ -57,6 +59,7 @@ def evaluate_policy(policy, cfg: Config) -> dict:
         metrics[f"eval/{name}"] = values.mean().item()
     if "correct" in components:
         metrics["eval/accuracy"] = components["correct"].mean().item()
+    metrics["eval/time_s"] = time.perf_counter() - start_time  # generation + scoring
     first = slice(None, None, e.samples_per_prompt)  # one image per prompt for the grid
     return {"metrics": metrics, "images": images[first][:64], "captions": texts[first][:64]}
 

@@ -315,7 +315,7 @@ def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_mode
             p.version += 1
             p.publish_weights()  # sync.verify: raises unless the rollout's digest equals the trainer's
             metrics = p.on_trainers("evaluate", 1, timeout=300)["metrics"]
-            assert 0.0 <= metrics["eval/reward"] <= 1.0
+            assert 0.0 <= metrics["eval/reward"] <= 1.0 and metrics["eval/time_s"] > 0
             p.step = 1
             checkpoint = p.save_checkpoint()
             weights[name] = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["learner"]["trainable"]
