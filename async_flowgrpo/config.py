@@ -51,6 +51,7 @@ class RolloutConfig:
     sde_type: str = "sde"  # sde | cps
     sde_window_size: int = 0  # recorded stochastic steps; 0 = all but the last (original Flow-GRPO)
     sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
+    shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
     prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path
     seed: int = 0

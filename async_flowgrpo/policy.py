@@ -149,6 +149,7 @@ class DiffusionPolicy:
         sde_type: str,
         window_size: int,
         window_range: tuple[int, int] | None = None,
+        shared_initial_noise: bool = False,
         seed: int,
         height: int | None = None,
         width: int | None = None,
@@ -160,6 +161,9 @@ class DiffusionPolicy:
 
         One CPU torch.Generator seeded by `seed` draws, in order, the window position, the initial
         noise and each window step's noise, so a seed reproduces the batch on any device.
+        shared_initial_noise gives every sample of a group the same initial noise (DanceGRPO's
+        init_same_noise): the group then differs only by the window's noise, the part the
+        log-probs (and so the policy gradient) can credit, instead of mostly by where it started.
         `version_fn()` is called before every denoising step, outside no_grad, and its value is
         stamped on that step if it is recorded: a rollout actor swaps in new weights there
         (in-flight update). Each group's time_generate_s is its share of the batch's wall time.
@@ -181,7 +185,11 @@ class DiffusionPolicy:
         enc = self.adapter.encode_prompts(prompts, cfg=cfg)
         per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
                       (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
-        x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen).to(self.device)
+        if shared_initial_noise:
+            x = torch.randn((len(prompts), *latent_shape), generator=gen).repeat_interleave(group_size, 0)
+        else:
+            x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen)
+        x = x.to(self.device)
 
         recorded, log_probs, versions = [], [], []
         for i in range(num_steps):

@@ -99,6 +99,16 @@ def test_generate_is_reproducible_per_seed(policy):
     assert a[0].prompt == PROMPTS[0] and a[1].prompt_index == 1 and a[0].seed == 7
 
 
+def test_shared_initial_noise_differs_only_by_the_window_noise(policy):
+    shared = gen(policy, seed=7, window_size=2, window_range=(0, 2), shared_initial_noise=True)
+    independent = gen(policy, seed=7, window_size=2, window_range=(0, 2))
+    for g in shared:  # the window starts at step 0: its first recorded latent is the initial noise
+        assert torch.equal(g.latents[0, 0], g.latents[1, 0])
+        assert not torch.equal(g.latents[0, -1], g.latents[1, -1])  # the window's noise differs
+    assert not torch.equal(shared[0].latents[0, 0], shared[1].latents[0, 0])  # one noise per prompt
+    assert not torch.equal(independent[0].latents[0, 0], independent[0].latents[1, 0])
+
+
 def test_version_fn_is_called_before_each_step_and_stamped(policy):
     calls = []
 

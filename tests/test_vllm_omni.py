@@ -91,7 +91,7 @@ def test_build_requests_one_per_prompt():
     assert s["height"] == 64 and s["width"] == 32 and s["seed"] == 11 and s["output_type"] == "pil"
     assert reqs[1].spec == {
         "seed": 11, "batch_index": 1, "batch_prompts": 2, "group_size": 3, "num_steps": 4, "noise_level": 0.7,
-        "sde_type": "sde", "window_size": 2, "window_range": [0, 3], "version": 5,
+        "sde_type": "sde", "window_size": 2, "window_range": [0, 3], "shared_initial_noise": False, "version": 5,
     }
     # height/width None -> the pipeline's default resolution
     assert "height" not in vo.build_requests(["a"], 2, 0, **SAMPLING)[0].sampling
@@ -110,16 +110,18 @@ def test_build_requests_rejects_bad_sampling(bad, match):
 
 
 @pytest.mark.parametrize(
-    "prompts, sde_type, guidance",
-    [(["a red circle"], "sde", 1.0), (["a red circle"], "cps", 3.0), (["a red circle", "a blue square"], "sde", 1.0)],
+    "prompts, sde_type, guidance, shared",
+    [(["a red circle"], "sde", 1.0, False), (["a red circle"], "cps", 3.0, False),
+     (["a red circle", "a blue square"], "sde", 1.0, False), (["a red circle", "a blue square"], "sde", 1.0, True)],
 )
-def test_recording_loop_reproduces_the_diffusers_policy(policy, prompts, sde_type, guidance):
+def test_recording_loop_reproduces_the_diffusers_policy(policy, prompts, sde_type, guidance, shared):
     """Same seed -> the pipeline's loop draws the same window and noise as DiffusionPolicy and
     records the same latents and log-probs (here with the same velocity function). Bit-exact for
     a one-prompt batch; for a prompt of a larger batch the transformer runs on fewer rows than the
     diffusers engine's, which changes float rounding only."""
     n, steps = 2, 5
-    kw = dict(num_steps=steps, guidance_scale=guidance, noise_level=0.7, sde_type=sde_type, window_size=2)
+    kw = dict(num_steps=steps, guidance_scale=guidance, noise_level=0.7, sde_type=sde_type, window_size=2,
+              shared_initial_noise=shared)
     groups = policy.generate(prompts, n, seed=9, **kw)
     enc = policy.adapter.encode_prompts(prompts, cfg=guidance > 1)
     sigmas = policy.sigmas(steps)

@@ -123,7 +123,7 @@ def denoise_and_record(
 
     velocity_fn(x [n, *latent_shape] float32, i) -> velocity (float32) at sigmas[i].
     spec: our request spec (see `build_requests`): seed, batch_index, batch_prompts, group_size,
-    num_steps, noise_level, sde_type, window_size, window_range. One CPU generator seeded by
+    num_steps, noise_level, sde_type, window_size, window_range, shared_initial_noise. One CPU generator seeded by
     `seed` draws, in order, the window, the initial noise and each window step's noise, for the
     whole batch of batch_prompts * n samples as DiffusionPolicy does; this request keeps the rows
     of its prompt, so it reproduces that prompt's group of a diffusers-engine batch.
@@ -140,7 +140,11 @@ def denoise_and_record(
     full = (int(spec["batch_prompts"]) * n, *latent_shape)
     rows = slice(int(spec["batch_index"]) * n, (int(spec["batch_index"]) + 1) * n)
 
-    x = torch.randn(full, generator=gen)[rows].to(device)
+    if spec.get("shared_initial_noise"):  # one noise per prompt of the batch, as DiffusionPolicy draws it
+        x = torch.randn(int(spec["batch_prompts"]), *latent_shape, generator=gen)[int(spec["batch_index"])].expand(n, *latent_shape)
+    else:
+        x = torch.randn(full, generator=gen)[rows]
+    x = x.to(device)
     recorded, log_probs = [], []
     for i in range(num_steps):
         v = velocity_fn(x, i)
@@ -234,6 +238,7 @@ def build_requests(
     sde_type: str,
     window_size: int,
     window_range: tuple[int, int] | None = None,
+    shared_initial_noise: bool = False,
     height: int | None = None,
     width: int | None = None,
     prompt_indices: list[int] | None = None,
@@ -265,6 +270,7 @@ def build_requests(
             "sde_type": sde_type,
             "window_size": int(window_size),
             "window_range": list(window_range) if window_range is not None else None,
+            "shared_initial_noise": bool(shared_initial_noise),
             "version": int(version),
         }
         sampling = {
@@ -634,6 +640,7 @@ class VllmOmniEngine:
         sde_type: str,
         window_size: int,
         window_range: tuple[int, int] | None = None,
+        shared_initial_noise: bool = False,
         height: int | None = None,
         width: int | None = None,
         prompt_indices: list[int] | None = None,
@@ -653,6 +660,7 @@ class VllmOmniEngine:
             sde_type=sde_type,
             window_size=window_size,
             window_range=window_range,
+            shared_initial_noise=shared_initial_noise,
             height=height,
             width=width,
             prompt_indices=prompt_indices,

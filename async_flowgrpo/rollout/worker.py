@@ -52,6 +52,7 @@ class RolloutWorker:
             sde_type=r.sde_type,
             window_size=r.sde_window_size or r.num_steps - 1,
             window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
+            shared_initial_noise=r.shared_initial_noise,
             height=r.resolution or None,
             width=r.resolution or None,
         )
