@@ -15,7 +15,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_flowgrpo.prompts import resolve_prompt_path
+from async_flowgrpo.prompts import load_prompts, resolve_prompt_path
 from async_flowgrpo.rewards import available_rewards
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
@@ -54,6 +54,7 @@ class RolloutConfig:
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
     prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path
+    prompt_mix: Optional[dict[str, float]] = None  # {kind: weight}: sample prompts by their JSONL "kind"
     seed: int = 0
 
 
@@ -328,3 +329,9 @@ def validate(c: Config) -> None:
             resolve_prompt_path(prompts)
         except FileNotFoundError as err:
             raise ConfigError(f"{key}: {err}") from None
+    if r.prompt_mix is not None:
+        _require(bool(r.prompt_mix) and all(w >= 0 for w in r.prompt_mix.values()) and sum(r.prompt_mix.values()) > 0,
+                 "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")
+        kinds = {p.metadata.get("kind") for p in load_prompts(r.prompts)}
+        unknown = sorted(set(r.prompt_mix) - kinds)
+        _require(not unknown, "rollout.prompt_mix", f"kinds {unknown} not in {r.prompts} (its kinds: {sorted(map(str, kinds))})")

@@ -7,6 +7,11 @@ async_flowgrpo/assets/prompts; `resolve_prompt_path` finds them by bare name.
 The stream is a pure function of its position: the prompt at stream index i is
 permutation(seed, epoch = i // N)[i % N]. So the only state to checkpoint is the cursor, and a
 resumed run neither repeats nor skips a prompt.
+
+With a `mix` ({kind: weight}, kinds from the JSONL rows' "kind" field) index i instead draws a
+kind by weight and then a prompt of that kind, both from a generator seeded by (seed, i): still a
+pure function of i. Use it when a prompt file's kinds are far from the proportions you want to
+train on (shapes_train is 97% relation prompts, since there are many more of them).
 """
 
 from __future__ import annotations
@@ -62,15 +67,26 @@ def load_prompts(path: str) -> list[Prompt]:
 class PromptStream:
     """Deterministic, resumable stream of (stream_index, Prompt)."""
 
-    def __init__(self, prompts: list[Prompt], seed: int = 0, shuffle: bool = True):
+    def __init__(self, prompts: list[Prompt], seed: int = 0, shuffle: bool = True, mix: dict[str, float] | None = None):
         self.prompts = prompts
         self.seed = seed
         self.shuffle = shuffle
         self.cursor = 0
         self._epoch = -1
         self._order: list[int] = []
+        self._kinds: list[list[Prompt]] = []
+        if mix:
+            self._kinds = [[p for p in prompts if p.metadata.get("kind") == kind] for kind in mix]
+            missing = [kind for kind, pool in zip(mix, self._kinds) if not pool]
+            if missing:
+                raise ValueError(f"prompt mix: no prompt of kind {missing} (kinds come from the JSONL 'kind' field)")
+            self._kind_weights = torch.tensor([float(w) for w in mix.values()])
 
     def prompt_at(self, index: int) -> Prompt:
+        if self._kinds:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+            pool = self._kinds[int(torch.multinomial(self._kind_weights, 1, generator=g))]
+            return pool[int(torch.randint(len(pool), (1,), generator=g))]
         epoch, pos = divmod(index, len(self.prompts))
         if epoch != self._epoch:
             self._epoch = epoch

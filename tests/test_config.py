@@ -56,6 +56,8 @@ BAD_CONFIGS = [
     (["rollout.engine=tensorrt"], "rollout.engine"),
     (["rollout.resolution=30"], "rollout.resolution"),
     (["rollout.prompts=/no/such/prompts.txt"], "rollout.prompts"),
+    (["rollout.prompt_mix={zebra: 1.0}"], "rollout.prompt_mix"),
+    (["rollout.prompt_mix={single: 0.0}"], "rollout.prompt_mix"),
     (["rollout.groups_per_step=3", "trainer.num_workers=2"], "cannot be split evenly"),
     (["rollout.group_size=3", "rollout.groups_per_step=1", "trainer.mini_batches=2"], "trainer.mini_batches"),
     (["sync.every=3", "algorithm.max_staleness=1"], "sync.every"),

@@ -43,7 +43,7 @@ class RolloutWorker:
         update_point = update_point or (cfg.sync.update_point if cfg.mode == "fully_async" else "between_groups")
         self.engine = engine if engine is not None else build_engine(cfg, update_point)
         self.reward = reward or CombinedReward(cfg.reward.weights, cfg.reward.options)
-        self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed)
+        self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed, mix=cfg.rollout.prompt_mix)
         r = cfg.rollout
         self.sampling = dict(
             num_steps=r.num_steps,

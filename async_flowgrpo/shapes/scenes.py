@@ -295,7 +295,7 @@ def split_prompts(seed: int = 0, eval_counts: dict[str, int] = EVAL_COUNTS) -> t
 def write_jsonl(specs: Iterable[SceneSpec], path: str) -> None:
     with open(path, "w") as f:
         for s in specs:
-            f.write(json.dumps({"prompt": spec_to_caption(s), "spec": s.to_dict()}) + "\n")
+            f.write(json.dumps({"prompt": spec_to_caption(s), "kind": s.kind, "spec": s.to_dict()}) + "\n")
 
 
 def read_jsonl(path: str) -> list[dict]:
