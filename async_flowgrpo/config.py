@@ -334,4 +334,5 @@ def validate(c: Config) -> None:
                  "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")
         kinds = {p.metadata.get("kind") for p in load_prompts(r.prompts)}
         unknown = sorted(set(r.prompt_mix) - kinds)
-        _require(not unknown, "rollout.prompt_mix", f"kinds {unknown} not in {r.prompts} (its kinds: {sorted(map(str, kinds))})")
+        _require(not unknown, "rollout.prompt_mix", f"kinds {unknown} not in {r.prompts} (its kinds: {sorted(map(str, kinds))}); "
+                 "rollout.prompt_mix=null samples it uniformly")

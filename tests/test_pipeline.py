@@ -43,6 +43,7 @@ def small_config(mode, model_dir, prompts, output_dir, *extra):
             "model.lora_rank=4",
             "model.lora_alpha=8",
             f"rollout.prompts={prompts}",
+            "rollout.prompt_mix=null",
             f"eval.prompts={prompts}",
             "rollout.group_size=2",
             "rollout.groups_per_step=2",
