@@ -122,10 +122,11 @@ class TrainerActor:
         return result
 
     def weights_digest(self) -> str | None:
+        """Every replicated rank hashes its own copy; sharded, rank 0 hashes the gathered weights."""
         from async_flowgrpo.sync import digest
 
         state = self._trainable_state()
-        return digest(state) if self.rank == 0 else None
+        return None if self.sharded and self.rank != 0 else digest(state)
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def evaluate(self, step: int) -> dict | None:

@@ -18,7 +18,7 @@ number at the same steps in both modes).
 Writes ``benchmarks/results/learning_curve.json`` and ``benchmarks/results/learning_curve.png``.
 
     python benchmarks/learning_curve.py                      # 2 seeds x 2 modes x 40 steps: ~15 min on 2 cores
-    python benchmarks/learning_curve.py --seeds 3 --steps 60 --eval-every 10 rollout.sde_window_size=5
+    python benchmarks/learning_curve.py --seeds 3 --steps 60 --eval-every 10 rollout.sde_window_size=3
 
 Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only).
 """

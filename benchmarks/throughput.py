@@ -66,6 +66,7 @@ DEFAULTS = [
     "rollout.group_size=8",
     "rollout.groups_per_step=4",
     "rollout.num_steps=10",
+    "rollout.sde_window_range=null",  # the window size is what balancing tunes; let it start anywhere
     "trainer.micro_batch_size=16",
     "trainer.mini_batches=1",
     "trainer.sample_every=0",

@@ -53,7 +53,7 @@ def test_launcher_joins_an_existing_cluster(head_node, tiny_model_dir, tmp_path)
     out = tmp_path / "run"
     cmd = [
         sys.executable, os.path.join(REPO, "launch", "one_step_off.py"), f"ray.address={head_node}",
-        f"model.path={tiny_model_dir}", f"rollout.prompts={prompts}", "rollout.prompt_mix=null", f"eval.prompts={prompts}",
+        f"model.path={tiny_model_dir}", f"rollout.prompts={prompts}", "rollout.prompt_mix=null", "rollout.sde_window_range=null", f"eval.prompts={prompts}",
         "reward.weights={jpeg_incompressibility: 1.0}", "model.lora_rank=4", "rollout.group_size=2",
         "rollout.groups_per_step=2", "rollout.num_steps=3", "rollout.sde_window_size=0", "trainer.total_steps=2", "trainer.micro_batch_size=4",
         "rollout.cpus_per_worker=0.5", "trainer.cpus_per_worker=0.5", "eval.at_start_and_end=false",

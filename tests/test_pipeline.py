@@ -44,6 +44,7 @@ def small_config(mode, model_dir, prompts, output_dir, *extra):
             "model.lora_alpha=8",
             f"rollout.prompts={prompts}",
             "rollout.prompt_mix=null",
+            "rollout.sde_window_range=null",
             f"eval.prompts={prompts}",
             "rollout.group_size=2",
             "rollout.groups_per_step=2",
