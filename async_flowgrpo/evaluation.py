@@ -7,7 +7,8 @@ standalone:
 
 Metrics: eval/reward (the combined reward), eval/<component> for every reward component, and
 eval/accuracy when the reward reports a per-sample "correct" check (the shapes reward does: all of
-colour, shape, count and position right).
+colour, shape, count and position right), also per prompt kind as eval/accuracy_<kind> when the
+prompt file's rows carry a "kind".
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ def evaluate_policy(policy, cfg: Config) -> dict:
         metrics[f"eval/{name}"] = values.mean().item()
     if "correct" in components:
         metrics["eval/accuracy"] = components["correct"].mean().item()
+        # per prompt kind (JSONL "kind"), where the overall figure hides which kind moved
+        kinds = [m.get("kind") for m in metadata]
+        for kind in sorted({k for k in kinds if isinstance(k, str)}):
+            sel = torch.tensor([k == kind for k in kinds])
+            metrics[f"eval/accuracy_{kind}"] = components["correct"][sel].mean().item()
     metrics["eval/time_s"] = time.perf_counter() - start_time  # generation + scoring
     first = slice(None, None, e.samples_per_prompt)  # one image per prompt for the grid
     return {"metrics": metrics, "images": images[first][:64], "captions": texts[first][:64]}

@@ -106,7 +106,7 @@ def test_prompt_files_match_split_and_are_disjoint():
     assert len(evals) == 64
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
     for r in train + evals:
-        assert SceneSpec.from_dict(r["spec"]) == caption_to_spec(r["prompt"])
+        assert SceneSpec.from_dict(r["spec"]) == caption_to_spec(r["prompt"]) and r["kind"] == r["spec"]["kind"]
     assert {r["spec"]["kind"] for r in evals} == set(KINDS)
 
 
@@ -261,3 +261,21 @@ def test_reward_splits_touching_objects_of_different_colours():
     # touching objects of one colour are one object: the count is wrong
     img = draw([Placed("red", "square", 6, 10, 10), Placed("red", "square", 16, 10, 10)])
     assert score(img, one("red", "square", 2))["count_ok"] == 0
+
+
+def test_evaluation_reports_accuracy_overall_and_per_prompt_kind(tmp_path):
+    import json
+
+    from async_flowgrpo.builders import build_policy
+    from async_flowgrpo.config import load_config
+    from async_flowgrpo.evaluation import evaluate_policy
+    rows = read_jsonl(os.path.join(ASSETS, "prompts", "shapes_eval.jsonl"))
+    picked = [r for r in rows if r["kind"] == "single"][:2] + [r for r in rows if r["kind"] == "count"][:2]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    cfg = load_config("sync", [f"eval.prompts={path}", "eval.samples_per_prompt=2", "eval.num_steps=8"])
+    metrics = evaluate_policy(build_policy(cfg), cfg)["metrics"]
+    per_kind = [metrics["eval/accuracy_single"], metrics["eval/accuracy_count"]]
+    assert all(0.0 <= a <= 1.0 for a in per_kind)
+    assert metrics["eval/accuracy"] == pytest.approx(sum(per_kind) / 2)  # equal numbers of samples per kind
+    assert metrics["eval/accuracy"] == pytest.approx(metrics["eval/correct"])
