@@ -141,7 +141,8 @@ def denoise_and_record(
     rows = slice(int(spec["batch_index"]) * n, (int(spec["batch_index"]) + 1) * n)
 
     if spec.get("shared_initial_noise"):  # one noise per prompt of the batch, as DiffusionPolicy draws it
-        x = torch.randn(int(spec["batch_prompts"]), *latent_shape, generator=gen)[int(spec["batch_index"])].expand(n, *latent_shape)
+        per_prompt = torch.randn(int(spec["batch_prompts"]), *latent_shape, generator=gen)
+        x = per_prompt[int(spec["batch_index"])].expand(n, *latent_shape).clone()
     else:
         x = torch.randn(full, generator=gen)[rows]
     x = x.to(device)
