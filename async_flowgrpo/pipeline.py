@@ -132,6 +132,7 @@ class Pipeline:
             for i in range(r.num_workers)
         ]
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=600)
+        self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=60)  # a new pid = a restart
         self.connect_sync_group()
 
         self.version = 0  # published weight version
@@ -176,21 +177,28 @@ class Pipeline:
 
     def recover_rollout(self, index: int, error: Exception) -> None:
         """Ray restarts a dead rollout actor; it rejoins the sync group and gets the current weights."""
-        self.rollout_restarts += 1
         logger.warning("rollout actor %d died (%s); waiting for its restart", index, str(error).splitlines()[0][:200])
-        self._wait_alive(self.rollouts[index])
+        self._wait_restarted(index)
         self.connect_sync_group()
         self.publish_weights()
 
+    def _wait_restarted(self, index: int) -> None:
+        """Wait until rollout actor `index` answers; count a restart if its process is new (whichever
+        of the generation loop or a weight sync noticed the death first)."""
+        pid = self._wait_alive(self.rollouts[index])
+        if pid != self.rollout_pids[index]:
+            self.rollout_restarts += 1
+            self.rollout_pids[index] = pid
+
     @staticmethod
-    def _wait_alive(actor, timeout_s: float = 600) -> None:
-        """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers.
-        (pid runs on the control thread, so a busy generation loop does not delay the answer.)"""
+    def _wait_alive(actor, timeout_s: float = 600) -> int:
+        """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers
+        and return its pid. (pid runs on the control thread, so a busy generation loop does not
+        delay the answer.)"""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                ray.get(actor.pid.remote(), timeout=timeout_s)
-                return
+                return ray.get(actor.pid.remote(), timeout=timeout_s)
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() > deadline:
                     raise
@@ -205,8 +213,8 @@ class Pipeline:
             return self._publish()
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
             logger.warning("weight sync failed (%s); rebuilding the sync group", str(e).splitlines()[0][:200])
-            for rollout in self.rollouts:
-                self._wait_alive(rollout)
+            for i in range(len(self.rollouts)):
+                self._wait_restarted(i)
             self.connect_sync_group()
             return self._publish()
 
