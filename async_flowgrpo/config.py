@@ -248,9 +248,11 @@ def validate(c: Config) -> None:
         lo_hi = list(r.sde_window_range)
         _require(len(lo_hi) == 2, "rollout.sde_window_range", "must be [lo, hi]")
         lo, hi = lo_hi
-        _require(0 <= lo < hi <= r.num_steps - 1, "rollout.sde_window_range", f"need 0 <= lo < hi <= num_steps-1 = {r.num_steps - 1}")
+        anywhere = "; rollout.sde_window_range=null lets the window start anywhere"
+        _require(0 <= lo < hi <= r.num_steps - 1, "rollout.sde_window_range",
+                 f"need 0 <= lo < hi <= num_steps-1 = {r.num_steps - 1}{anywhere}")
         window = r.sde_window_size or r.num_steps - 1
-        _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi})")
+        _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi}){anywhere}")
     _require(r.resolution >= 0 and r.resolution % 16 == 0, "rollout.resolution", "must be 0 (model default) or a multiple of 16")
 
     t = c.trainer
