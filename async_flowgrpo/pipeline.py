@@ -218,16 +218,19 @@ class Pipeline:
             self.connect_sync_group()
             return self._publish()
 
+    @property
+    def _whole_weight_ranks(self) -> list:
+        """Trainers that must join a call needing whole weights: rank 0 alone, or, when the weights
+        are sharded (FSDP), every rank, since gathering them is collective."""
+        return self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
+
     def on_trainers(self, method: str, *args, timeout: float = 600):
-        """Call a rank-0 trainer method: on rank 0 alone, or, when the weights are sharded (FSDP),
-        on every rank, since gathering them is collective; returns rank 0's answer."""
-        ranks = self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
-        return ray.get([getattr(t, method).remote(*args) for t in ranks], timeout=timeout)[0]
+        """Call a rank-0 trainer method (on `_whole_weight_ranks`); returns rank 0's answer."""
+        return ray.get([getattr(t, method).remote(*args) for t in self._whole_weight_ranks], timeout=timeout)[0]
 
     def _publish(self) -> dict:
         start = time.perf_counter()
-        ranks = self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
-        push, *gathering = [t.push.remote(self.version) for t in ranks]  # only rank 0 sends
+        push, *gathering = [t.push.remote(self.version) for t in self._whole_weight_ranks]  # only rank 0 sends
         pulls = [rollout.pull.remote([push]) for rollout in self.rollouts]
         sent, *received = ray.get([push, *pulls], timeout=self.cfg.sync.timeout_s)
         ray.get(gathering, timeout=self.cfg.sync.timeout_s)

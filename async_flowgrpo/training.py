@@ -44,14 +44,13 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
 def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
     """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
     a, t = cfg.algorithm, cfg.trainer
+    # sharded: fp32 master weights; FSDP casts them to the model dtype (bf16 on CUDA) to compute
+    master = {"dtype": torch.float32} if t.fsdp else {}
+    policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, **master)
     if t.fsdp:
-        # fp32 master weights, sharded; FSDP casts them to the model dtype (bf16 on CUDA) to compute
-        policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, dtype=torch.float32)
         compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
-    else:
-        policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0)
     return Learner(
         policy,
         lr=t.lr,

@@ -6,10 +6,13 @@ launch/*.py) and import this file as ``common``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +29,54 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- command line and config ------------------------------------------------------------------------
+def split_overrides(ap, overrides: list[str], modes) -> tuple[list[str], dict[str, list[str]]]:
+    """key=value applies to every run, <mode>:key=value to that mode's; anything else is an argparse error."""
+    common, per_mode = [], {m: [] for m in modes}
+    for o in overrides:
+        head, sep, rest = o.partition(":")
+        if sep and head in modes and "=" in rest:
+            per_mode[head].append(rest)
+        elif "=" in o:
+            common.append(o)
+        else:
+            ap.error(f"{o}: expected key=value or mode:key=value")
+    return common, per_mode
+
+
+def load_mode_config(mode: str, overrides: list[str]):
+    from async_flowgrpo.config import ConfigError, load_config
+
+    try:
+        return load_config(mode, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error ({mode}): {e}") from None
+
+
+@contextlib.contextmanager
+def session(args, prefix: str):
+    """What every benchmark run shares: a work dir (a temp one unless --workdir, removed after),
+    one driver thread, the model, Ray with 1 rollout + 1 trainer actor's resources. Yields
+    (workdir, model path, model description, resource overrides, machine info)."""
+    workdir = args.workdir or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(workdir, exist_ok=True)
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # the driver only orchestrates; leave the cores to the actors
+        model, model_desc = resolve_model(args.model, workdir)
+        res_overrides, resources = resource_overrides(args.device)
+        start_ray(resources, verbose=args.verbose)
+        yield workdir, model, model_desc, res_overrides, machine_info(resources)
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 # -- model ----------------------------------------------------------------------------------------

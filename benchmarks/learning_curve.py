@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,27 +75,15 @@ def parse_args(argv):
     for m in args.modes:
         if m not in ALL_MODES:
             ap.error(f"--modes: unknown mode {m!r}")
-    args.common, args.per_mode = [], {m: [] for m in ALL_MODES}
-    for o in args.overrides:
-        head, sep, rest = o.partition(":")
-        if sep and head in ALL_MODES and "=" in rest:
-            args.per_mode[head].append(rest)
-        elif "=" in o:
-            args.common.append(o)
-        else:
-            ap.error(f"{o}: expected key=value or mode:key=value")
+    args.common, args.per_mode = common.split_overrides(ap, args.overrides, ALL_MODES)
     return args
 
 
 def run_one(mode: str, seed: int, overrides: list[str], output_dir: str) -> dict:
-    from async_flowgrpo.config import ConfigError, load_config
     from async_flowgrpo.modes import run
 
     shutil.rmtree(output_dir, ignore_errors=True)
-    try:
-        cfg = load_config(mode, overrides + [f"trainer.seed={seed}", f"rollout.seed={seed}", f"trainer.output_dir={output_dir}"])
-    except ConfigError as e:
-        raise SystemExit(f"config error ({mode}): {e}") from None
+    cfg = common.load_mode_config(mode, overrides + [f"trainer.seed={seed}", f"rollout.seed={seed}", f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
     run(cfg)
     wall = time.perf_counter() - t0
@@ -294,21 +281,13 @@ def plot(result: dict, path: str, smooth_k: int) -> None:
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="afg_learning_curve_")
-    os.makedirs(workdir, exist_ok=True)
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        model, model_desc = common.resolve_model(args.model, workdir)
+    with common.session(args, "afg_learning_curve_") as (workdir, model, model_desc, res_overrides, machine):
         if "random" in model_desc:
             log("WARNING: a random model: the shapes reward will stay near 0 (this only checks the script)")
-        res_overrides, resources = common.resource_overrides(args.device)
-        common.start_ray(resources, verbose=args.verbose)
-        machine = common.machine_info(resources)
         base = [f"model.path={model}", *DEFAULTS, f"eval.every={args.eval_every}", f"trainer.total_steps={args.steps}",
                 *res_overrides, *args.common]
-        log(f"model: {model_desc}; {len(args.seeds)} seeds x {args.modes} x {args.steps} steps; device {resources['device']}")
+        log(f"model: {model_desc}; {len(args.seeds)} seeds x {args.modes} x {args.steps} steps; "
+            f"device {machine['resources']['device']}")
 
         runs = {m: [] for m in args.modes}
         for seed in args.seeds:
@@ -357,13 +336,6 @@ def main(argv=None) -> dict:
             print(line)
         print(f"\nwrote {json_path} and {png_path} ({result['total_wall_s']:.0f} s in all)")
         return result
-    finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,15 +101,7 @@ def parse_args(argv):
             ap.error(f"--modes: unknown mode {m!r} (choose from {', '.join(MODES)})")
     if args.steps < args.warmup + 2:
         ap.error("--steps must be >= --warmup + 2")
-    args.common, args.per_mode = [], {m: [] for m in MODES}
-    for o in args.overrides:
-        head, sep, rest = o.partition(":")
-        if sep and head in MODES and "=" in rest:
-            args.per_mode[head].append(rest)
-        elif "=" in o:
-            args.common.append(o)
-        else:
-            ap.error(f"{o}: expected key=value or mode:key=value")
+    args.common, args.per_mode = common.split_overrides(ap, args.overrides, MODES)
     return args
 
 
@@ -124,15 +115,6 @@ def given(overrides: list[str], key: str) -> bool:
     return any(o.split("=", 1)[0].strip() == key for o in overrides)
 
 
-def config(mode: str, overrides: list[str]):
-    from async_flowgrpo.config import ConfigError, load_config
-
-    try:
-        return load_config(mode, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"config error ({mode}): {e}") from None
-
-
 # -- phase 1: capacities -------------------------------------------------------------------------
 def measure_capacity(overrides: list[str], output_dir: str, batches: int) -> dict:
     """Rollout alone, then training alone, then weight publication, on one Pipeline."""
@@ -140,7 +122,7 @@ def measure_capacity(overrides: list[str], output_dir: str, batches: int) -> dic
 
     from async_flowgrpo.pipeline import Pipeline
 
-    cfg = config("sync", overrides + [f"trainer.output_dir={output_dir}"])
+    cfg = common.load_mode_config("sync", overrides + [f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
     p = Pipeline(cfg)
     startup = time.perf_counter() - t0
@@ -194,7 +176,7 @@ def measure_capacity(overrides: list[str], output_dir: str, batches: int) -> dic
 
 def balanced_capacity(args, base: list[str], workdir: str) -> tuple[dict, list[str], list[dict]]:
     """Measure; unless the window was given, adjust rollout.sde_window_size toward T == R."""
-    cfg = config("sync", base)
+    cfg = common.load_mode_config("sync", base)
     num_steps = cfg.rollout.num_steps
     fixed = args.no_balance or given(args.common, "rollout.sde_window_size")
     window = cfg.rollout.sde_window_size or num_steps - 1
@@ -247,7 +229,7 @@ def run_mode(mode: str, overrides: list[str], output_dir: str, warmup: int) -> d
     from async_flowgrpo.modes import run
 
     shutil.rmtree(output_dir, ignore_errors=True)  # metrics.jsonl appends
-    cfg = config(mode, overrides + [f"trainer.output_dir={output_dir}"])
+    cfg = common.load_mode_config(mode, overrides + [f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
     with common.RunCpuSampler(os.path.join(output_dir, "metrics.jsonl")) as sampler:
         run(cfg)
@@ -424,21 +406,12 @@ def plot(result: dict, path: str) -> None:
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     t_start = time.perf_counter()
-    workdir = args.workdir or tempfile.mkdtemp(prefix="afg_throughput_")
-    os.makedirs(workdir, exist_ok=True)
-    try:
-        import torch
-
-        torch.set_num_threads(1)  # the driver only orchestrates; leave the cores to the actors
-        model, model_desc = common.resolve_model(args.model, workdir)
-        res_overrides, resources = common.resource_overrides(args.device)
-        common.start_ray(resources, verbose=args.verbose)
-        machine = common.machine_info(resources)
-        log(f"model: {model_desc}; device {resources['device']}; load average {machine['load_average_at_start']}")
+    with common.session(args, "afg_throughput_") as (workdir, model, model_desc, res_overrides, machine):
+        log(f"model: {model_desc}; device {machine['resources']['device']}; load average {machine['load_average_at_start']}")
 
         base = [f"model.path={model}", *DEFAULTS, *res_overrides, *args.common]
         if not given(args.common, "rollout.sde_window_size"):
-            num_steps = config("sync", base + ["rollout.sde_window_size=0"]).rollout.num_steps  # base.yaml's window may not fit
+            num_steps = common.load_mode_config("sync", base + ["rollout.sde_window_size=0"]).rollout.num_steps  # base.yaml's window may not fit
             window = max(1, round(DEFAULT_WINDOW_FRACTION * (num_steps - 1)))
             base.insert(-len(args.common) or len(base), f"rollout.sde_window_size={window}")
         cap, chosen, tried = balanced_capacity(args, base, workdir)
@@ -534,13 +507,6 @@ def main(argv=None) -> dict:
         print_table(result)
         print(f"\nwrote {json_path} and {png_path} ({result['total_wall_s']:.0f} s in all)")
         return result
-    finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":
