@@ -18,6 +18,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from async_flowgrpo.config import Config
 from async_flowgrpo.prompts import load_prompts
@@ -27,14 +28,23 @@ PROMPTS_PER_CALL = 16
 
 
 @torch.no_grad()
-def evaluate_policy(policy, cfg: Config) -> dict:
-    """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}."""
+def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> dict | None:
+    """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}.
+
+    With world_size > 1 (FSDP-sharded trainers; the process group is up) the ranks split the prompt
+    chunks, score their own and rank 0 gathers them: the same result as one process, in 1/world_size
+    of the time. Every rank makes the same number of generate calls, since each forward pass
+    all-gathers the sharded blocks; the others return None.
+    """
     e, r = cfg.eval, cfg.rollout
     start_time = time.perf_counter()
     prompts = load_prompts(e.prompts)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
-    images, texts, metadata = [], [], []
-    for start in range(0, len(prompts), PROMPTS_PER_CALL):
+    starts = list(range(0, len(prompts), PROMPTS_PER_CALL))
+    mine = starts[rank::world_size]
+    scored = []  # per chunk: (start, images, texts, metadata, score, components)
+    for call in range(-(-len(starts) // world_size)):
+        start = mine[call] if call < len(mine) else starts[0]  # a rank short of chunks repeats one
         chunk = prompts[start : start + PROMPTS_PER_CALL]
         groups = policy.generate(
             [p.text for p in chunk],
@@ -44,17 +54,29 @@ def evaluate_policy(policy, cfg: Config) -> dict:
             noise_level=r.noise_level,
             sde_type=r.sde_type,
             window_size=0,  # pure ODE
-            seed=e.seed + start,  # fixed: the same noise at every evaluation
+            seed=e.seed + start,  # fixed: the same noise at every evaluation, whichever rank draws it
             height=r.resolution or None,
             width=r.resolution or None,
             metadata=[p.metadata for p in chunk],
         )
-        for group, prompt in zip(groups, chunk):
-            images.append(group.images)
-            texts += [prompt.text] * group.size
-            metadata += [prompt.metadata] * group.size
-    images = torch.cat(images)
-    score, components = reward(images, texts, metadata)
+        if call >= len(mine):
+            continue  # only kept in step with the other ranks' forward passes
+        images = torch.cat([g.images for g in groups])
+        texts = [p.text for p, g in zip(chunk, groups) for _ in range(g.size)]
+        metadata = [p.metadata for p, g in zip(chunk, groups) for _ in range(g.size)]
+        scored.append((start, images, texts, metadata, *reward(images, texts, metadata)))
+    if world_size > 1:
+        gathered = [None] * world_size if rank == 0 else None
+        dist.gather_object(scored, gathered, dst=0)
+        if rank != 0:
+            return None
+        scored = sorted((c for part in gathered for c in part), key=lambda c: c[0])
+
+    images = torch.cat([c[1] for c in scored])
+    texts = [t for c in scored for t in c[2]]
+    metadata = [m for c in scored for m in c[3]]
+    score = torch.cat([c[4] for c in scored])
+    components = {name: torch.cat([c[5][name] for c in scored]) for name in scored[0][5]}
     metrics = {"eval/reward": score.mean().item()}
     for name, values in components.items():
         metrics[f"eval/{name}"] = values.mean().item()

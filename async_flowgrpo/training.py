@@ -129,14 +129,15 @@ class TrainerActor:
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def evaluate(self, step: int) -> dict | None:
-        """Sharded, every rank runs the same evaluation (each forward all-gathers the blocks)."""
+        """Sharded, the ranks split the prompts (collective); rank 0 returns the result."""
         from async_flowgrpo.evaluation import evaluate_policy
 
-        result = evaluate_policy(self.learner.policy, self.cfg)
-        if self.sharded:
-            for transformer in self.learner.policy.transformers():
-                fsdp.reshard(transformer)
-        return result if self.rank == 0 else None
+        if not self.sharded:
+            return evaluate_policy(self.learner.policy, self.cfg)
+        result = evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size)
+        for transformer in self.learner.policy.transformers():
+            fsdp.reshard(transformer)
+        return result
 
     def state_dict(self) -> dict | None:
         if not self.sharded:

@@ -1,7 +1,7 @@
 """FSDP2 trainers without Ray: 2 sharded processes (gloo) against one unsharded Learner.
 
 The Ray pipeline test covers full fine-tuning end to end; this one covers LoRA (frozen base
-weights and trainable adapters in the same FSDP units), evaluation and the optimizer state.
+weights and trainable adapters in the same FSDP units), the split evaluation and the optimizer state.
 """
 
 import os
@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from async_flowgrpo import fsdp
 from async_flowgrpo.config import load_config
+from async_flowgrpo.evaluation import evaluate_policy
 from async_flowgrpo.training import build_learner
 
 
@@ -34,19 +35,19 @@ def make_groups(cfg):
 def sharded_rank(rank, world_size, port, model_dir, groups_path, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    from async_flowgrpo.evaluation import evaluate_policy
 
     cfg = lora_config(model_dir, "trainer.fsdp=true")
     learner = build_learner(cfg)
+    transformer = learner.policy.adapter.transformer
+    generate, calls = learner.policy.generate, []
+    learner.policy.generate = lambda prompts, *a, **k: calls.append(len(prompts)) or generate(prompts, *a, **k)
+    result = evaluate_policy(learner.policy, cfg, rank, world_size)  # forward-only, split over the ranks
+    fsdp.reshard(transformer)
     groups = torch.load(groups_path, weights_only=False)
     learner.train_step([groups[rank]], version=0)  # each rank its half of the batch
-    transformer = learner.policy.adapter.transformer
-    result = evaluate_policy(learner.policy, cfg)  # a forward-only pass on every rank
-    fsdp.reshard(transformer)
     weights = fsdp.gather(learner.policy.trainable_state().items(), keep=rank == 0)
     optimizer = fsdp.optimizer_state(transformer, learner.optimizer)
-    if rank == 0:
-        torch.save({"weights": weights, "optimizer": optimizer, "eval": result["metrics"]}, out_path)
+    torch.save({"weights": weights, "optimizer": optimizer, "eval": result, "calls": calls}, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
 
@@ -55,6 +56,7 @@ def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_pa
     groups = make_groups(cfg)
     torch.save(groups, tmp_path / "groups.pt")
     reference = build_learner(cfg)
+    unsplit = evaluate_policy(reference.policy, cfg)
     before = {n: t.clone() for n, t in reference.policy.trainable_state().items()}
     reference.train_step(groups, version=0)
     expected = reference.policy.trainable_state()
@@ -65,7 +67,16 @@ def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_pa
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     mp.start_processes(sharded_rank, args=(2, port, tiny_model_dir, str(tmp_path / "groups.pt"), str(tmp_path / "out.pt")),
                        nprocs=2, join=True, start_method="spawn")
-    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    out, out_rank1 = (torch.load(f"{tmp_path / 'out.pt'}.{rank}", weights_only=False) for rank in (0, 1))
+
+    # evaluation: the 64 eval prompts in 4 chunks of 16, two per rank, gathered on rank 0 in order
+    assert out["calls"] == out_rank1["calls"] == [16, 16] and out_rank1["eval"] is None
+    split = out["eval"]
+    assert split["captions"] == unsplit["captions"]
+    torch.testing.assert_close(split["images"], unsplit["images"], rtol=0, atol=0)
+    for name, value in unsplit["metrics"].items():
+        if name != "eval/time_s":
+            assert split["metrics"][name] == value, name
 
     assert out["weights"].keys() == expected.keys() and all("lora_" in n for n in expected)
     assert any(not torch.equal(expected[n], before[n]) for n in expected)
@@ -74,4 +85,3 @@ def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_pa
         torch.testing.assert_close(out["weights"][name], expected[name], rtol=1e-4, atol=1e-5)
     moments = out["optimizer"]["state"]
     assert set(moments) == set(expected) and all(moments[n]["exp_avg"].shape == expected[n].shape for n in expected)
-    assert 0.0 <= out["eval"]["eval/reward"] <= 1.0
