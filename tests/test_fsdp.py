@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from async_flowgrpo import fsdp
 from async_flowgrpo.config import load_config
 from async_flowgrpo.evaluation import evaluate_policy
+from async_flowgrpo.prompts import resolve_prompt_path
 from async_flowgrpo.training import build_learner
 
 
@@ -32,11 +33,11 @@ def make_groups(cfg):
     return groups
 
 
-def sharded_rank(rank, world_size, port, model_dir, groups_path, out_path):
+def sharded_rank(rank, world_size, port, model_dir, eval_prompts, groups_path, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
 
-    cfg = lora_config(model_dir, "trainer.fsdp=true")
+    cfg = lora_config(model_dir, "trainer.fsdp=true", f"eval.prompts={eval_prompts}")
     learner = build_learner(cfg)
     transformer = learner.policy.adapter.transformer
     generate, calls = learner.policy.generate, []
@@ -52,7 +53,11 @@ def sharded_rank(rank, world_size, port, model_dir, groups_path, out_path):
 
 
 def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_path):
-    cfg = lora_config(tiny_model_dir)
+    # 40 eval prompts: chunks of 16, 16 and 8; rank 0 takes the 1st and 3rd, rank 1 the 2nd and
+    # repeats one to make as many forward passes as rank 0 (discarded)
+    eval_prompts = tmp_path / "eval40.jsonl"
+    eval_prompts.write_text("".join(open(resolve_prompt_path("shapes_eval")).readlines()[:40]))
+    cfg = lora_config(tiny_model_dir, f"eval.prompts={eval_prompts}")
     groups = make_groups(cfg)
     torch.save(groups, tmp_path / "groups.pt")
     reference = build_learner(cfg)
@@ -65,14 +70,14 @@ def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    mp.start_processes(sharded_rank, args=(2, port, tiny_model_dir, str(tmp_path / "groups.pt"), str(tmp_path / "out.pt")),
+    mp.start_processes(sharded_rank, args=(2, port, tiny_model_dir, str(eval_prompts), str(tmp_path / "groups.pt"), str(tmp_path / "out.pt")),
                        nprocs=2, join=True, start_method="spawn")
     out, out_rank1 = (torch.load(f"{tmp_path / 'out.pt'}.{rank}", weights_only=False) for rank in (0, 1))
 
-    # evaluation: the 64 eval prompts in 4 chunks of 16, two per rank, gathered on rank 0 in order
-    assert out["calls"] == out_rank1["calls"] == [16, 16] and out_rank1["eval"] is None
+    # evaluation: gathered on rank 0 in prompt order, the same images and metrics as one process
+    assert out["calls"] == [16, 8] and out_rank1["calls"] == [16, 16] and out_rank1["eval"] is None
     split = out["eval"]
-    assert split["captions"] == unsplit["captions"]
+    assert len(split["captions"]) == 40 and split["captions"] == unsplit["captions"]
     torch.testing.assert_close(split["images"], unsplit["images"], rtol=0, atol=0)
     for name, value in unsplit["metrics"].items():
         if name != "eval/time_s":
