@@ -160,10 +160,10 @@ class ReceiverActor:
     def get(self):
         return self.state, self.version
 
-    def corrupt_next(self):
-        def flip(state):
-            name = next(k for k, v in state.items() if v.numel() > 0)
-            state[name].reshape(-1).view(torch.uint8)[0] ^= 0x10
+    def corrupt_next(self, name: str):
+        def flip(staged):  # the whole state (object store) or one bucket's tensors (collective)
+            if name in staged:
+                staged[name].reshape(-1).view(torch.uint8)[0] ^= 0x10
 
         self.receiver.stage_hook = flip
 
@@ -232,12 +232,26 @@ def test_sync_is_bit_exact_over_consecutive_versions(actors, name, kind, n):
 @pytest.mark.parametrize("name", ["collective", "object_store"])
 def test_digest_mismatch_is_detected(actors, name):
     sender, receivers = setup(actors, make_transport(name, bucket_mb=SMALL_BUCKET_MB, timeout_s=TIMEOUT), "full", 2)
-    ray.get(receivers[1].corrupt_next.remote(), timeout=TIMEOUT)
+    last = list(make_state("full", 0))[-1]  # in the last bucket: every bucket must be checked
+    ray.get(receivers[1].corrupt_next.remote(last), timeout=TIMEOUT)
     push = sender.push.remote(7)
     good, bad = [r.pull.remote([push]) for r in receivers]
     ray.get([push, good], timeout=TIMEOUT)  # the untouched receiver is fine
     with pytest.raises(DigestMismatchError, match="digest mismatch"):
         ray.get(bad, timeout=TIMEOUT)
+
+
+def test_a_receiver_that_does_not_verify_still_reads_the_senders_digest(actors):
+    """Verification is each side's own choice: a receiver that skips the check still reports the
+    sender's digest, and the wire stays in step over consecutive syncs."""
+    sender, receivers = actors["sender"], actors["receivers"][:2]
+    verified = make_transport("collective", bucket_mb=SMALL_BUCKET_MB, timeout_s=TIMEOUT, verify=True)
+    unverified = make_transport("collective", bucket_mb=SMALL_BUCKET_MB, timeout_s=TIMEOUT, verify=False)
+    ray.get([sender.setup.remote(verified, "full", 5), receivers[0].setup.remote(verified),
+             receivers[1].setup.remote(unverified)], timeout=TIMEOUT)
+    connect(sender, receivers)
+    for version in (1, 2):
+        check(sender, receivers, version, *sync(sender, receivers, version))
 
 
 def test_rebuild_group_after_replacing_a_receiver(actors):
