@@ -42,7 +42,7 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
     starts = list(range(0, len(prompts), PROMPTS_PER_CALL))
     mine = starts[rank::world_size]
-    scored = []  # per chunk: (start, images, texts, metadata, score, components)
+    scored = []  # one dict per chunk of prompts
     for call in range(-(-len(starts) // world_size)):
         start = mine[call] if call < len(mine) else starts[0]  # a rank short of chunks repeats one
         chunk = prompts[start : start + PROMPTS_PER_CALL]
@@ -64,19 +64,21 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
         images = torch.cat([g.images for g in groups])
         texts = [p.text for p, g in zip(chunk, groups) for _ in range(g.size)]
         metadata = [p.metadata for p, g in zip(chunk, groups) for _ in range(g.size)]
-        scored.append((start, images, texts, metadata, *reward(images, texts, metadata)))
+        score, components = reward(images, texts, metadata)
+        scored.append({"start": start, "images": images, "texts": texts, "metadata": metadata, "score": score,
+                       "components": components})
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(scored, gathered, dst=0)
         if rank != 0:
             return None
-        scored = sorted((c for part in gathered for c in part), key=lambda c: c[0])
+        scored = sorted((c for part in gathered for c in part), key=lambda c: c["start"])
 
-    images = torch.cat([c[1] for c in scored])
-    texts = [t for c in scored for t in c[2]]
-    metadata = [m for c in scored for m in c[3]]
-    score = torch.cat([c[4] for c in scored])
-    components = {name: torch.cat([c[5][name] for c in scored]) for name in scored[0][5]}
+    images = torch.cat([c["images"] for c in scored])
+    texts = [t for c in scored for t in c["texts"]]
+    metadata = [m for c in scored for m in c["metadata"]]
+    score = torch.cat([c["score"] for c in scored])
+    components = {name: torch.cat([c["components"][name] for c in scored]) for name in scored[0]["components"]}
     metrics = {"eval/reward": score.mean().item()}
     for name, values in components.items():
         metrics[f"eval/{name}"] = values.mean().item()

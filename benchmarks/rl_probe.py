@@ -47,6 +47,7 @@ from async_flowgrpo import algo  # noqa: E402
 from async_flowgrpo.evaluation import evaluate_policy  # noqa: E402
 from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.rewards import CombinedReward, register_reward  # noqa: E402
+from async_flowgrpo.rollout.worker import sampling_kwargs  # noqa: E402
 from async_flowgrpo.shapes.scenes import COLORS  # noqa: E402
 from async_flowgrpo.training import build_learner  # noqa: E402
 
@@ -120,44 +121,36 @@ def main(argv: list[str]) -> dict:
     torch.set_num_threads(args.threads)
     overrides = [f"model.path={args.model}", f"reward.weights={{{args.reward}: 1.0}}", *args.overrides]
     cfg = common.load_mode_config("sync", overrides)
+    with tempfile.TemporaryDirectory(prefix="rl_probe_") as workdir:
+        return run(args, cfg, os.path.join(workdir, "train_probe.jsonl"))
+
+
+def run(args, cfg, probe_path: str) -> dict:
+    r, a = cfg.rollout, cfg.algorithm
     by_kind, weights = training_prompts(cfg, args.kinds, args.prompt)
     kinds, kind_weights = list(weights), list(weights.values())
+    rng = random.Random(r.seed)
 
     # 64 fixed training prompts (drawn by the same weights) to tell learning from generalising
     probe_rng = random.Random(1)
     probe = [probe_rng.choice(by_kind[probe_rng.choices(kinds, kind_weights)[0]]) for _ in range(64)]
-    with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False) as f:
+    with open(probe_path, "w") as f:
         f.writelines(json.dumps({"prompt": p.text, **p.metadata}) + "\n" for p in probe)
-    try:
-        return run(args, cfg, by_kind, weights, f.name)
-    finally:
-        os.remove(f.name)
-
-
-def run(args, cfg, by_kind: dict, weights: dict, probe_path: str) -> dict:
-    r, a = cfg.rollout, cfg.algorithm
-    kinds, kind_weights = list(weights), list(weights.values())
-    rng = random.Random(r.seed)
 
     learner = build_learner(cfg)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
-    window_size = r.sde_window_size or r.num_steps - 1
-    window_range = tuple(r.sde_window_range) if r.sde_window_range else None
+    sampling = sampling_kwargs(r)
     log(f"rl_probe {args.name}: reward {args.reward}, kinds {weights}, {r.groups_per_step} x {r.group_size} samples a step, "
-        f"lr {cfg.trainer.lr}, lora_rank {cfg.model.lora_rank}, window {window_size} in {window_range}, "
-        f"shared noise {r.shared_initial_noise}")
+        f"lr {cfg.trainer.lr}, lora_rank {cfg.model.lora_rank}, window {sampling['window_size']} in "
+        f"{sampling['window_range']}, shared noise {r.shared_initial_noise}")
     t0 = time.perf_counter()
     evals = [{"step": 0, **evaluate(learner.policy, cfg, probe_path)}]
     log(f"step 0: {evals[-1]}")
     curve = []
     for step in range(1, args.steps + 1):
         batch = [rng.choice(by_kind[rng.choices(kinds, kind_weights)[0]]) for _ in range(r.groups_per_step)]
-        groups = learner.policy.generate(
-            [p.text for p in batch], r.group_size, num_steps=r.num_steps, guidance_scale=r.guidance_scale,
-            noise_level=r.noise_level, sde_type=r.sde_type, window_size=window_size, window_range=window_range,
-            shared_initial_noise=r.shared_initial_noise, seed=r.seed * 1_000_003 + step,
-            metadata=[p.metadata for p in batch],
-        )
+        groups = learner.policy.generate([p.text for p in batch], r.group_size, **sampling, seed=r.seed * 1_000_003 + step,
+                                         metadata=[p.metadata for p in batch])
         scores, corrects = [], []
         for g, p in zip(groups, batch):
             score, components = reward(g.images, [p.text] * g.size, [p.metadata] * g.size)

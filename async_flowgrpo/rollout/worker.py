@@ -22,7 +22,7 @@ import ray
 import torch
 
 from async_flowgrpo.builders import build_engine, set_cpu_threads
-from async_flowgrpo.config import Config
+from async_flowgrpo.config import Config, RolloutConfig
 from async_flowgrpo.prompts import PromptStream, load_prompts
 from async_flowgrpo.rewards import CombinedReward, RewardError
 from async_flowgrpo.types import Group
@@ -32,6 +32,21 @@ logger = logging.getLogger(__name__)
 
 def group_seed(base_seed: int, ticket: int) -> int:
     return (base_seed * 1_000_003 + ticket) % (2**62)
+
+
+def sampling_kwargs(r: RolloutConfig) -> dict:
+    """The rollout.* sampling settings as keyword arguments of `generate` (engines and policy)."""
+    return dict(
+        num_steps=r.num_steps,
+        guidance_scale=r.guidance_scale,
+        noise_level=r.noise_level,
+        sde_type=r.sde_type,
+        window_size=r.sde_window_size or r.num_steps - 1,
+        window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
+        shared_initial_noise=r.shared_initial_noise,
+        height=r.resolution or None,
+        width=r.resolution or None,
+    )
 
 
 class RolloutWorker:
@@ -44,18 +59,7 @@ class RolloutWorker:
         self.engine = engine if engine is not None else build_engine(cfg, update_point)
         self.reward = reward or CombinedReward(cfg.reward.weights, cfg.reward.options)
         self.prompts = PromptStream(load_prompts(cfg.rollout.prompts), seed=cfg.rollout.seed, mix=cfg.rollout.prompt_mix)
-        r = cfg.rollout
-        self.sampling = dict(
-            num_steps=r.num_steps,
-            guidance_scale=r.guidance_scale,
-            noise_level=r.noise_level,
-            sde_type=r.sde_type,
-            window_size=r.sde_window_size or r.num_steps - 1,
-            window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
-            shared_initial_noise=r.shared_initial_noise,
-            height=r.resolution or None,
-            width=r.resolution or None,
-        )
+        self.sampling = sampling_kwargs(cfg.rollout)
         self._stop = threading.Event()
         # counters reported through stats()
         self.groups_generated = 0
