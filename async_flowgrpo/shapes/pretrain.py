@@ -23,6 +23,12 @@ seconds, which mean more than wall time on a shared machine. --minutes M adds a 
 along, so a slow machine still ends with an annealed model, and the log states the steps actually
 run (rerun with `--minutes 0 --vae-steps A --steps B` for the same steps on the step schedule).
 
+Resuming: the run saves its state (weights, EMA, optimizer, random streams) to OUT.state.pt every
+--save-every transformer steps; rerunning the same command continues from it (with --minutes 0 the
+result equals an uninterrupted run's). Every --eval-every steps it logs the gate on held-out prompts
+(EMA weights, 2 samples each): all checks right, count prompts right, and position right given both
+objects right, which is what tells whether the relation words are followed (the loss does not).
+
 Threads: one by default. On a busy 2-core machine two OpenMP threads ran 10-20x *slower* than one
 (barrier stalls whenever a thread is descheduled); pass --threads 2 only on an idle machine, where
 it is about 1.7x faster than one.
@@ -137,7 +143,41 @@ def encode_pool(vae, x: torch.Tensor, batch: int = 256) -> tuple[torch.Tensor, t
     return torch.cat(means), torch.cat(stds)
 
 
-def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, gen) -> tuple[int, dict]:
+def save_state(path: str, state: dict) -> None:
+    """Atomically write a resumable training state (tensors, numbers and strings only: it is read
+    back with weights_only=True, so a state file cannot run code)."""
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_state(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, weights_only=True)
+
+
+@torch.no_grad()
+def gate(pipe, rows: list[dict], per_prompt: int = 2) -> dict[str, float]:
+    """The base-model gate on held-out prompts, cheaply (2 samples each): all checks right, count
+    prompts right, and position right given both objects right (the relation words' test)."""
+    from .evaluate import evaluate
+
+    summary, _, result = evaluate(pipe, rows, per_prompt=per_prompt)
+    return {"all": summary["all"]["joint_acc"], "count": summary.get("count", {}).get("joint_acc", float("nan")),
+            "position_given_objects": position_given_objects(result, rows, per_prompt)}
+
+
+def position_given_objects(result: dict, rows: list[dict], per_prompt: int) -> float:
+    """Among position-prompt images whose two objects are both drawn right (colour, shape, count),
+    the fraction whose relation is right; 0.5 is chance."""
+    kinds = torch.tensor([r["kind"] == "position" for r in rows for _ in range(per_prompt)])
+    both = kinds & result["color_ok"].bool() & result["shape_ok"].bool() & result["count_ok"].bool()
+    return result["position_ok"][both].float().mean().item() if both.any() else float("nan")
+
+
+def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, gen, state_path: str = "",
+              save_every: int = 500, eval_rows: list[dict] | None = None, eval_every: int = 0) -> tuple[int, dict]:
     tr, te1, te2 = pipe.transformer, pipe.text_encoder, pipe.text_encoder_2
     modules = torch.nn.ModuleList([tr, te1, te2])
     ema = copy.deepcopy(modules).requires_grad_(False)
@@ -146,7 +186,16 @@ def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, ge
     modules.train()
     sf, shf = pipe.vae.config.scaling_factor, pipe.vae.config.shift_factor
     rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
-    step, ema_loss = 0, None
+    step, ema_loss, cpu0 = 0, None, 0.0
+    saved = load_state(state_path) if state_path else None
+    if saved is not None and "dit_step" in saved:
+        modules.load_state_dict(saved["modules"])
+        ema.load_state_dict(saved["ema"])
+        opt.load_state_dict(saved["opt"])
+        gen.set_state(saved["gen"])
+        rng.seed(int(saved["rng_seed"]))
+        step, ema_loss, cpu0 = int(saved["dit_step"]), float(saved["ema_loss"]), float(saved["cpu_s"])
+        log(f"resumed the transformer stage at step {step} ({cpu0:.0f} CPU s before this process)")
     while prog(step) < 1.0:
         for g in opt.param_groups:
             g["lr"] = lr_at(prog(step), step, lr, warmup=100)
@@ -173,13 +222,32 @@ def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, ge
         step += 1
         if step % 50 == 0:
             log(f"dit step {step} progress {prog(step):.2f} loss {ema_loss:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"cpu {cpu():.0f}s")
+                f"cpu {cpu0 + cpu():.0f}s")
+        if eval_every and eval_rows and step % eval_every == 0:
+            live = copy.deepcopy(modules.state_dict())
+            modules.load_state_dict(ema.state_dict())
+            modules.eval()
+            g = gate(pipe, eval_rows)
+            modules.load_state_dict(live)
+            modules.train()
+            log(f"gate at step {step} (EMA, held-out x2): all {g['all']:.3f} count {g['count']:.3f} "
+                f"position|objects {g['position_given_objects']:.3f}")
+            if state_path:  # the EMA weights at each gate, to pick a base with room for RL
+                save_state(f"{state_path}.ema{step}", ema.state_dict())
+        if state_path and step % save_every == 0:
+            # a fresh python-rng seed drawn from the torch generator keeps the resumed stream deterministic
+            rng_seed = int(torch.randint(0, 2**31, (1,), generator=gen))
+            rng.seed(rng_seed)
+            save_state(state_path, {"vae": pipe.vae.state_dict(), "modules": modules.state_dict(),
+                                    "ema": ema.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                                    "rng_seed": rng_seed, "dit_step": step, "ema_loss": ema_loss,
+                                    "cpu_s": cpu0 + cpu()})
     with torch.no_grad():
         for pe_, pm in zip(ema.parameters(), modules.parameters()):
             pm.copy_(pe_)
     modules.eval()
-    log(f"dit done: {step} steps, loss {ema_loss:.4f}")
-    return step, {"dit_loss": ema_loss}
+    log(f"dit done: {step} steps, loss {ema_loss:.4f}, {cpu0 + cpu():.0f} CPU s in this stage and before")
+    return step, {"dit_loss": ema_loss, "cpu_minutes": round((cpu0 + cpu()) / 60, 1)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,6 +270,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="weights of single,count,position scenes in the training pool")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 is far faster on a shared machine (OpenMP barriers stall)")
+    ap.add_argument("--state", default="", help="resumable training state (default: OUT.state.pt); a rerun of the "
+                    "same command continues from it")
+    ap.add_argument("--fresh", action="store_true", help="ignore an existing state file and start over")
+    ap.add_argument("--save-every", type=int, default=250, help="transformer steps between state saves")
+    ap.add_argument("--eval-every", type=int, default=1000,
+                    help="transformer steps between gate checks of the EMA weights on held-out prompts (0: never)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -222,8 +296,17 @@ def main(argv: list[str] | None = None) -> None:
     assert all(caption_to_spec(c) for c in caps[:10])
     log(f"drew {len(x)} scenes in {time.time() - t0:.1f}s")
 
-    vae_steps = train_vae(pipe.vae, x, args.vae_steps, 0.2 * budget, args.vae_batch, args.vae_lr, args.kl_weight, gen,
-                          args.vae_crop)
+    state_path = args.state or args.out.rstrip("/") + ".state.pt"
+    saved = load_state(state_path) if not args.fresh else None
+    if saved is not None:  # the VAE stage is done; the transformer stage resumes inside train_dit
+        pipe.vae.load_state_dict(saved["vae"])
+        gen.set_state(saved["gen"])
+        vae_steps = int(saved.get("vae_steps", args.vae_steps))  # the transformer stage's saves omit it
+        log(f"resuming from {state_path}: VAE stage done ({vae_steps} steps)")
+    else:
+        vae_steps = train_vae(pipe.vae, x, args.vae_steps, 0.2 * budget, args.vae_batch, args.vae_lr, args.kl_weight,
+                              gen, args.vae_crop)
+        save_state(state_path, {"vae": pipe.vae.state_dict(), "vae_steps": vae_steps, "gen": gen.get_state()})
     mean, std = encode_pool(pipe.vae, x)
     shift_f, scale_f = mean.mean().item(), 1.0 / mean.std().item()
     pipe.vae.register_to_config(scaling_factor=scale_f, shift_factor=shift_f)
@@ -234,8 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     log(f"vae reconstructions: reward {r['score'].mean():.3f} all-correct {r['correct'].mean():.3f}")
 
     remaining = max(budget - (time.time() - t0) - 10, 30) if budget > 0 else 0
+    eval_rows = [{"prompt": spec_to_caption(s), "kind": s.kind, "spec": s.to_dict()} for s in split_prompts()[1]]
     dit_steps, stats = train_dit(pipe, mean, std, caps, args.steps, remaining, args.batch, args.lr,
-                                 args.caption_dropout, spec.shift, gen)
+                                 args.caption_dropout, spec.shift, gen, state_path, args.save_every,
+                                 eval_rows, args.eval_every)
 
     pipe.transformer.to(torch.float16)
     pipe.vae.to(torch.float16)

@@ -270,23 +270,53 @@ def all_specs() -> dict[str, list[SceneSpec]]:
 EVAL_COUNTS = {"single": 6, "count": 18, "position": 40}
 
 
-def split_prompts(seed: int = 0, eval_counts: dict[str, int] = EVAL_COUNTS) -> tuple[list[SceneSpec], list[SceneSpec]]:
-    """Deterministic train / held-out eval split. Eval prompts never occur as training captions.
+def strata(spec: SceneSpec) -> list[tuple[str, str]]:
+    """The attributes a stratified split balances: (attribute, value) pairs of one spec."""
+    out = [("relation", spec.relation or "")]
+    for i, o in enumerate(spec.objects):
+        out += [(f"color{i}", o.color), (f"shape{i}", o.shape), (f"count{i}", str(o.count))]
+    return out
 
-    Held-out singles are chosen so every colour and every shape still occurs among train singles.
+
+def _imbalance(held: list[SceneSpec], values: dict[str, set[str]]) -> int:
+    """Sum over attributes of (most - fewest) held-out specs sharing one value of that attribute."""
+    counts: dict[str, dict[str, int]] = {a: dict.fromkeys(vs, 0) for a, vs in values.items()}
+    for s in held:
+        for a, v in strata(s):
+            counts[a][v] += 1
+    return sum(max(c.values()) - min(c.values()) for c in counts.values())
+
+
+def split_prompts(seed: int = 0, eval_counts: dict[str, int] = EVAL_COUNTS) -> tuple[list[SceneSpec], list[SceneSpec]]:
+    """Deterministic, stratified train / held-out split. Held-out prompts never occur as training captions.
+
+    Within each kind the held-out prompts spread evenly over every attribute (number word, relation,
+    each object's colour and shape: counts differ by at most one where the sizes allow), found by
+    swapping held-out and kept prompts from a seeded shuffle while the imbalance falls. Every value of
+    every attribute is then in both splits.
     """
     rng = random.Random(seed)
-    specs = all_specs()
     train, evals = [], []
-    for kind in KINDS:
-        pool = list(specs[kind])
-        while True:
-            rng.shuffle(pool)
-            held, kept = pool[: eval_counts[kind]], pool[eval_counts[kind] :]
-            if kind != "single":
+    for kind, pool in all_specs().items():
+        values: dict[str, set[str]] = {}
+        for s in pool:
+            for a, v in strata(s):
+                values.setdefault(a, set()).add(v)
+        pool = list(pool)
+        rng.shuffle(pool)
+        n = eval_counts[kind]
+        held, kept = pool[:n], pool[n:]
+        score = _imbalance(held, values)
+        for _ in range(20_000):
+            if score == sum(1 for vs in values.values() if n % len(vs)):  # as even as n allows
                 break
-            if {o.objects[0].color for o in kept} == set(COLORS) and {o.objects[0].shape for o in kept} == set(SHAPES):
-                break
+            i, j = rng.randrange(n), rng.randrange(len(kept))
+            held[i], kept[j] = kept[j], held[i]
+            new = _imbalance(held, values)
+            if new <= score:
+                score = new
+            else:
+                held[i], kept[j] = kept[j], held[i]
         evals += held
         train += kept
     return train, evals
