@@ -8,6 +8,7 @@ naming the key; the launchers turn it into exit code 2.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,7 +16,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_flowgrpo.prompts import load_prompts, resolve_prompt_path
+from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import available_rewards
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
@@ -74,6 +75,9 @@ class TrainerConfig:
     mini_batches: int = 1  # optimizer steps per batch
     fsdp: bool = False  # shard the transformer over the trainers (torch fully_shard); else replicate (DDP-style)
     checkpoint_every: int = 50
+    keep_checkpoints: int = 3  # the newest K checkpoints are kept; 0 = keep all
+    overwrite: bool = False  # a fresh run into a used output_dir deletes its old results (else: exit 2)
+    max_nonfinite_steps: int = 5  # stop after this many consecutive steps whose every update was NaN/inf
     sample_every: int = 10  # steps between saved PNG grids of rollout samples
 
 
@@ -85,6 +89,7 @@ class AlgorithmConfig:
     is_cap: float = 2.0  # truncation of the staleness weight exp(prox - behav)
     beta: float = 0.0  # KL to the reference (adapters disabled); 0.04 in Flow-GRPO quality runs
     prox_mode: str = "recompute"  # recompute | bypass
+    uncond_grad: bool = True  # false: with CFG, differentiate the conditional branch only (as flow_grpo)
     global_std: bool = True
     mean_only: bool = False
     drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
@@ -99,6 +104,9 @@ class SyncConfig:
     update_point: str = "between_steps"  # between_steps (in-flight) | between_groups
     verify: bool = True  # digest check after every sync
     timeout_s: float = 1800.0
+    # Where the weight-sync rendezvous (TCPStore + gloo) listens. None = 127.0.0.1 when the Ray
+    # cluster has one node (nothing off this machine can connect), else this node's cluster IP.
+    host: Optional[str] = None
 
 
 @dataclass
@@ -229,6 +237,9 @@ def validate(c: Config) -> None:
 
     r = c.rollout
     _choice(r.engine, "rollout.engine", ("diffusers", "vllm_omni"))
+    if r.engine == "vllm_omni":  # found here, not after Ray has started an actor that cannot import it
+        _require(importlib.util.find_spec("vllm_omni") is not None, "rollout.engine",
+                 "vllm-omni is not installed (pip install 'async_flowgrpo[gpu]' on a GPU machine, or use rollout.engine=diffusers)")
     _require(r.num_workers >= 1, "rollout.num_workers", "must be >= 1")
     _require(r.gpus_per_worker >= 0, "rollout.gpus_per_worker", "must be >= 0")
     _require(r.cpus_per_worker > 0, "rollout.cpus_per_worker", "must be > 0")
@@ -267,6 +278,10 @@ def validate(c: Config) -> None:
     _require(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")
     _require(t.mini_batches >= 1, "trainer.mini_batches", "must be >= 1")
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
+    _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
+    _require(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", "must be >= 1")
+    _require(not (os.path.exists(t.output_dir) and not os.path.isdir(t.output_dir)), "trainer.output_dir",
+             f"{t.output_dir} exists and is not a directory")
     _require(t.sample_every >= 0, "trainer.sample_every", "must be >= 0")
     # Trainers split a batch by whole groups; each splits its share into mini-batches of samples.
     _require(
@@ -326,15 +341,16 @@ def validate(c: Config) -> None:
     _require(e.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
     _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
     _require(c.ray.connect_timeout_s > 0, "ray.connect_timeout_s", "must be > 0")
+    loaded = {}
     for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):
-        try:
-            resolve_prompt_path(prompts)
-        except FileNotFoundError as err:
+        try:  # read now: a bad file is one line here, not a traceback from inside a Ray actor
+            loaded[key] = load_prompts(prompts)
+        except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"{key}: {err}") from None
     if r.prompt_mix is not None:
         _require(bool(r.prompt_mix) and all(w >= 0 for w in r.prompt_mix.values()) and sum(r.prompt_mix.values()) > 0,
                  "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")
-        kinds = {p.metadata.get("kind") for p in load_prompts(r.prompts)}
+        kinds = {p.metadata.get("kind") for p in loaded["rollout.prompts"]}
         unknown = sorted(set(r.prompt_mix) - kinds)
         _require(not unknown, "rollout.prompt_mix", f"kinds {unknown} not in {r.prompts} (its kinds: {sorted(map(str, kinds))}); "
                  "rollout.prompt_mix=null samples it uniformly")

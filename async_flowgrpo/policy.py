@@ -268,16 +268,18 @@ class DiffusionPolicy:
         sde_type: str,
         sigma_max: float | Tensor | None = None,
         with_ref: bool = False,
+        uncond_grad: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Score recorded steps x_j -> x_{j+1} of a micro-batch with gradients through the
         transformer: (log_prob [B], mean, std, ref_mean or None). sigma, sigma_next: [B] (each
         sample's own step); embeddings [B, ...]. ref_mean is the reference policy's mean (LoRA
-        adapters off, or the frozen copy), without gradient."""
+        adapters off, or the frozen copy), without gradient. uncond_grad=False differentiates only
+        the conditional half of a guided velocity (same forward, see models.combine_guidance)."""
         x = latents_j.to(self.device, torch.float32)
         x_next = latents_next.to(self.device, torch.float32)
         cond = (prompt_embeds, pooled, neg_embeds, neg_pooled)
         step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next)
-        v = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale)
+        v = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale, uncond_grad=uncond_grad)
         _, log_prob, mean, std = algo.sde_step(v, x, sigma, sigma_next, **step)
         ref_mean = None
         if with_ref:

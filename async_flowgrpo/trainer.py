@@ -76,6 +76,7 @@ class Learner:
         prox_mode: str = "recompute",
         micro_batch_size: int = 8,
         mini_batches: int = 1,
+        uncond_grad: bool = True,
         grad_all_reduce: Callable[[list[nn.Parameter]], None] | None = None,
     ):
         if prox_mode not in PROX_MODES:
@@ -98,6 +99,7 @@ class Learner:
         self.prox_mode = prox_mode
         self.micro_batch_size = micro_batch_size
         self.mini_batches = mini_batches
+        self.uncond_grad = uncond_grad
         self.grad_all_reduce = grad_all_reduce
 
     # ------------------------------------------------------------------ data
@@ -144,6 +146,7 @@ class Learner:
             noise_level=noise_level,
             sde_type=sde_type,
             with_ref=with_ref,
+            uncond_grad=self.uncond_grad,
         )
         kl = None
         if with_ref:

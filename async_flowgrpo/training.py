@@ -63,6 +63,7 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
         prox_mode=a.prox_mode,
         micro_batch_size=t.micro_batch_size,
         mini_batches=t.mini_batches,
+        uncond_grad=a.uncond_grad,
         grad_all_reduce=grad_all_reduce,
     )
 

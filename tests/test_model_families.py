@@ -136,6 +136,39 @@ def test_one_train_step_changes_lora(family):
     assert all("lora_" in k for k in before)
 
 
+def test_uncond_grad_false_keeps_the_forward_and_drops_the_unconditional_gradient(family):
+    """uncond_grad=False (flow_grpo's update) leaves the guided velocity as it is and removes the
+    unconditional branch's share of the gradient, which is then the conditional branch's alone."""
+    if not family["cfg"]:
+        pytest.skip("guidance-distilled: no CFG batch, nothing to detach")
+    policy, g = family["policy"], family["groups"][0]
+    adapter, guidance = policy.adapter, family["guidance"]
+    x, sigma = g.latents[:, 0], g.sigmas[0].expand(g.size)
+    cond = [t.expand(g.size, *t.shape) for t in
+            (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)]
+    lora_b = [p for n, p in policy.adapter.transformer.named_parameters() if "lora_B" in n]
+    with torch.no_grad():
+        for p in lora_b:  # B = 0 at init would make every LoRA gradient path but B's vanish
+            p.normal_(0, 0.05)
+
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+
+    def grads(**kw):
+        for p in lora_b:
+            p.grad = None
+        v = adapter.velocity(x, sigma, *cond, guidance_scale=guidance, **kw)
+        (v * weights).sum().backward()  # not |v|^2: Qwen-Image rescales each row to |v_cond|
+        return v.detach(), torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in lora_b])
+
+    v_both, g_both = grads()
+    v_cond, g_cond = grads(uncond_grad=False)
+    assert torch.allclose(v_both, v_cond)
+    assert not torch.allclose(g_both, g_cond, rtol=1e-3, atol=1e-8)
+    with torch.no_grad():
+        for p in lora_b:
+            p.zero_()
+
+
 def test_pack_unpack_roundtrip_and_dynamic_shift(family):
     adapter = family["policy"].adapter
     x = torch.randn(2, 16, 8, 12)

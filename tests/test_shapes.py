@@ -110,6 +110,29 @@ def test_prompt_files_match_split_and_are_disjoint():
     assert {r["spec"]["kind"] for r in evals} == set(KINDS)
 
 
+def test_split_is_stratified_within_each_kind():
+    """Held-out prompts spread evenly over number words, relations, colours and shapes (counts
+    differ by at most one), and every value of every attribute is also in the training split."""
+    from collections import Counter
+
+    from async_flowgrpo.shapes.scenes import strata
+
+    train, evals = split_prompts()
+    for kind in KINDS:
+        held = [s for s in evals if s.kind == kind]
+        kept = [s for s in train if s.kind == kind]
+        held_counts = Counter(x for s in held for x in strata(s))
+        kept_values = {x for s in kept for x in strata(s)}
+        values = {x for s in all_specs()[kind] for x in strata(s)}
+        assert set(held_counts) == values and kept_values == values, kind
+        for attribute in {a for a, _ in values}:
+            counts = [held_counts[x] for x in values if x[0] == attribute]
+            assert max(counts) - min(counts) <= 1, (kind, attribute, counts)
+    counts = Counter(s.objects[0].count for s in evals if s.kind == "count")
+    assert counts[2] == counts[3] == 9
+    assert Counter(s.relation for s in evals if s.kind == "position") == {r: 10 for r in RELATIONS}
+
+
 # ----------------------------------------------------------------------------- reward
 
 
@@ -279,3 +302,22 @@ def test_evaluation_reports_accuracy_overall_and_per_prompt_kind(tmp_path):
     assert all(0.0 <= a <= 1.0 for a in per_kind)
     assert metrics["eval/accuracy"] == pytest.approx(sum(per_kind) / 2)  # equal numbers of samples per kind
     assert metrics["eval/accuracy"] == pytest.approx(metrics["eval/correct"])
+
+
+def test_reward_score_modes_follow_the_checks():
+    """'correct' is the evaluation's all-checks-right, 'checks' the fraction of checks right,
+    'partial' the graded mean. Three red circles asked as two pass colour and shape and fail
+    count: 'partial' still pays 0.83 for them, 'checks' 2/3, 'correct' nothing."""
+    rng = random.Random(3)
+    asked = caption_to_spec("two red circles")
+    images = torch.from_numpy(np.stack([render(asked, rng), render(caption_to_spec("three red circles"), rng)]))
+    meta = [{"spec": asked.to_dict()}] * 2
+    prompts = [spec_to_caption(asked)] * 2
+    partial = shapes_reward(images, prompts, meta)
+    checks = shapes_reward(images, prompts, meta, score="checks")
+    correct = shapes_reward(images, prompts, meta, score="correct")
+    assert correct["score"].tolist() == [1.0, 0.0] and torch.equal(correct["score"], partial["correct"])
+    assert checks["score"].tolist() == pytest.approx([1.0, 2 / 3])
+    assert partial["score"].tolist() == pytest.approx([1.0, (1 + 1 + 0.5) / 3])
+    with pytest.raises(ValueError, match="score must be one of"):
+        shapes_reward(images, prompts, meta, score="best")

@@ -18,6 +18,19 @@ _FAMILIES = {
 }
 
 
+def combine_guidance(v: torch.Tensor, guidance_scale: float, *, uncond_grad: bool = True) -> torch.Tensor:
+    """Classifier-free guidance from one batch [unconditional; conditional]: v_u + g (v_c - v_u).
+
+    uncond_grad=False stops the gradient through the unconditional half (flow_grpo's trainer
+    does not differentiate it): with a shared LoRA the unconditional branch enters with weight
+    1 - g (-3.5 at g = 4.5), and its gradient was measured to drive the collapse of the training
+    reward at lr 1e-3 on the embedded model (shared/notes/learning.md). The forward is unchanged."""
+    v_uncond, v_cond = v.chunk(2)
+    if not uncond_grad:
+        v_uncond = v_uncond.detach()
+    return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+
 def check_model_dir(path: str) -> None:
     """Fail early, with the config key in the message, on a path that is not a diffusers model."""
     if not os.path.isdir(path):

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import check_model_dir
+from async_flowgrpo.models import check_model_dir, combine_guidance
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
@@ -174,6 +174,7 @@ class FluxAdapter:
         negative_pooled: Tensor | None = None,
         *,
         guidance_scale: float,
+        uncond_grad: bool = True,
         transformer: nn.Module | None = None,
     ) -> Tensor:
         """Velocity in float32, unpacked like `latents` [B, C, H, W], at per-sample sigma [B]."""
@@ -205,8 +206,7 @@ class FluxAdapter:
             return_dict=False,
         )[0].float()
         if true_cfg:
-            v_uncond, v_cond = v.chunk(2)
-            v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
         return unpack_latents(v, h, w)
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from async_flowgrpo.models import combine_guidance
 from async_flowgrpo.models.flux import flow_sigmas, load_pipeline, pack_latents, unpack_latents
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
@@ -134,6 +135,7 @@ class QwenImageAdapter:
         negative_pooled: Tensor | None = None,
         *,
         guidance_scale: float,
+        uncond_grad: bool = True,
         transformer: nn.Module | None = None,
     ) -> Tensor:
         """Velocity in float32, unpacked like `latents` [B, C, H, W], at per-sample sigma [B].
@@ -165,8 +167,8 @@ class QwenImageAdapter:
             return_dict=False,
         )[0].float()
         if cfg:
-            v_uncond, v_cond = v.chunk(2)
-            v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            v_cond = v.chunk(2)[1]
+            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
             v = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
         return unpack_latents(v, h, w)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import check_model_dir
+from async_flowgrpo.models import check_model_dir, combine_guidance
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
 # peft target modules: the joint-attention projections of every MMDiT block (image and text
@@ -127,6 +127,7 @@ class SD3Adapter:
         negative_pooled: Tensor | None = None,
         *,
         guidance_scale: float,
+        uncond_grad: bool = True,
         transformer: nn.Module | None = None,
     ) -> Tensor:
         """Velocity prediction in float32 for latents at per-sample sigma [B].
@@ -155,8 +156,7 @@ class SD3Adapter:
             return_dict=False,
         )[0].float()
         if cfg:
-            v_uncond, v_cond = v.chunk(2)
-            v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
         return v
 
     @torch.no_grad()

@@ -266,15 +266,34 @@ def to_uint8_hwc(images: torch.Tensor | np.ndarray) -> np.ndarray:
     return x.numpy()
 
 
-def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> dict[str, torch.Tensor]:
+# What "score" (the reward RL optimises) is made of; the components and checks are returned either way.
+SCORES = ("partial", "checks", "correct")
+
+
+def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
+                  score: str = "partial") -> dict[str, torch.Tensor]:
     """Score images against their prompts. Returns float32 tensors [n]: "score", the components
     "color", "shape", "count", "position" (all in [0, 1]) and the 0/1 checks "color_ok", "shape_ok",
-    "count_ok", "position_ok", "correct". metadata[i]["spec"] (a SceneSpec dict) overrides parsing."""
+    "count_ok", "position_ok", "correct". metadata[i]["spec"] (a SceneSpec dict) overrides parsing.
+
+    `score` picks the reward: "partial" (mean of the graded components: the most gradient, but it
+    can be raised by trading one check for another, e.g. extra objects for surer colours), "checks"
+    (fraction of the applicable 0/1 checks right) or "correct" (1 when every check is right: exactly
+    what the evaluation counts, so it cannot be raised by breaking one check to pass another)."""
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     imgs = to_uint8_hwc(images)
     if len(imgs) != len(prompts):
         raise ValueError(f"{len(imgs)} images for {len(prompts)} prompts")
     metadata = metadata if metadata is not None else [{}] * len(prompts)
-    rows = [score_image(img, _spec_for(p, m)) for img, p, m in zip(imgs, prompts, metadata)]
+    specs = [_spec_for(p, m) for p, m in zip(prompts, metadata)]
+    rows = [score_image(img, spec) for img, spec in zip(imgs, specs)]
+    for row, spec in zip(rows, specs):
+        if score == "correct":
+            row["score"] = row["correct"]
+        elif score == "checks":
+            checks = CHECKS[:4] if spec.relation is not None else CHECKS[:3]
+            row["score"] = sum(row[k] for k in checks) / len(checks)
     keys = ("score",) + COMPONENTS + CHECKS
     return {k: torch.tensor([r[k] for r in rows], dtype=torch.float32) for k in keys}
 
