@@ -234,3 +234,61 @@ def policy_loss(
             "is/ess": effective_sample_size(w),
         }
     return loss, metrics
+
+
+# ---------------------------------------------------------------- DiffusionNFT
+# Zheng et al. 2025, "DiffusionNFT: Online Diffusion Reinforcement with Forward Process"
+# (arXiv 2509.16117). No sampler log-probs: the loss is flow matching on clean final samples x0,
+# noised afresh by the forward process x_t = (1 - s) x0 + s eps, contrasting two implicit policies
+# built from the sampling ("old") policy's velocity and the trained one's.
+
+
+def nft_optimality(advantages: Tensor, adv_clip: float) -> Tensor:
+    """Optimality probability r = 1/2 + clip(A, -c, c) / (2 c) in [0, 1] (c = adv_clip): the
+    normalised advantage, as the public implementation maps it (1/2 = no preference)."""
+    return 0.5 + advantages.clamp(-adv_clip, adv_clip) / (2 * adv_clip)
+
+
+def nft_loss(
+    v_theta: Tensor,
+    v_old: Tensor,
+    x_t: Tensor,
+    x0: Tensor,
+    sigma: Sigma,
+    r: Tensor,
+    *,
+    beta: float,
+    min_weight: float = 1e-5,
+) -> Tensor:
+    """Per-sample DiffusionNFT loss [B]: (r L(v+) + (1 - r) L(v-)) / beta.
+
+    v+ = (1 - beta) v_old + beta v_theta and v- = (1 + beta) v_old - beta v_theta are the implicit
+    positive and negative policies; v_old is the sampling policy's velocity (no gradient). L is
+    x0-regression with the public code's adaptive weight: x0^ = x_t - s v,
+    L(v) = mean((x0^ - x0)^2) / sg(mean|x0^ - x0|), i.e. s * mean((v* - v)^2) / mean|v* - v| with
+    the flow-matching target v* = eps - x0. Dividing by beta keeps the gradient finite as beta -> 0:
+    d/dv_theta -> -2 s (2r - 1) (x0^_old - x0) / (w_old * numel), plain flow matching toward the
+    sample for r = 1, away from it for r = 0, nothing at r = 1/2 while v_theta = v_old.
+    Float32 at least (float64 stays float64).
+    """
+    dtype = torch.promote_types(v_theta.dtype, torch.float32)
+    v, old = v_theta.to(dtype), v_old.detach().to(dtype)
+    x_t, x0 = x_t.to(dtype), x0.to(dtype)
+    s = torch.as_tensor(sigma, dtype=dtype, device=v.device).reshape(-1, *([1] * (v.ndim - 1)))
+
+    def weighted_x0_error(velocity: Tensor) -> Tensor:
+        err = x_t - s * velocity - x0
+        weight = _mean_per_sample(err.detach().abs()).clamp_min(min_weight)
+        return _mean_per_sample(err**2) / weight
+
+    positive = weighted_x0_error(beta * v + (1 - beta) * old)
+    negative = weighted_x0_error((1 + beta) * old - beta * v)
+    r = r.detach().to(dtype)
+    return (r * positive + (1 - r) * negative) / beta
+
+
+def nft_old_decay(update: int, *, start: int, rate: float, max_decay: float) -> float:
+    """Decay of the soft update old <- decay * old + (1 - decay) * theta after `update` optimizer
+    steps: 0 (old = theta) before `start`, then rising by `rate` per step up to `max_decay`, the
+    public code's schedule (its defaults: start 0, rate 0.001, max 0.5)."""
+    return 0.0 if update < start else min((update - start) * rate, max_decay)

@@ -1,10 +1,18 @@
-"""Command-line entry shared by the launchers: config errors become one line and exit code 2."""
+"""Command-line entry shared by the launchers.
+
+Exit codes: 0 done; 2 a mistake found before Ray starts (config, input files, run directory,
+checkpoint to resume), one line on stderr; 1 a failure during the run, one line; 128 + signal
+(143 SIGTERM, 130 SIGINT) a graceful stop, after a checkpoint, with the command that resumes.
+"""
 
 from __future__ import annotations
 
+import shlex
 import sys
 
+from async_flowgrpo.checkpoint import Checkpointer, CheckpointError, RunDirError, RunDirLock, config_changes, decode, prepare_run_dir
 from async_flowgrpo.config import Config, ConfigError, load_config
+from async_flowgrpo.stop import GracefulStop, Stopped, StopRequested
 
 
 def config_or_exit(mode: str, argv: list[str]) -> Config:
@@ -15,6 +23,53 @@ def config_or_exit(mode: str, argv: list[str]) -> Config:
         raise SystemExit(2) from None
 
 
+def preflight(cfg: Config) -> RunDirLock:
+    """Before Ray starts: lock the run directory (one run per directory), refuse a used one unless
+    resuming or overwriting, and check the checkpoint to resume against the config. Resolves
+    trainer.resume=latest to the checkpoint it will use (so a fallback is decided, and warned
+    about, once). Raises ConfigError / RunDirError."""
+    import os
+
+    lock = prepare_run_dir(cfg.trainer.output_dir, cfg.trainer.resume, cfg.trainer.overwrite)
+    try:
+        if cfg.trainer.resume:
+            ckpt = Checkpointer(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints)
+            try:
+                path, tree = ckpt.find(cfg.trainer.resume)
+            except CheckpointError as e:
+                raise ConfigError(str(e)) from None
+            if isinstance(tree.get("config"), dict):
+                fixed, _ = config_changes(decode(tree["config"], {}), cfg)
+                if fixed:
+                    old = decode(tree["config"], {})
+                    diffs = ", ".join(f"{k} {_lookup(old, k)!r} -> {_lookup_cfg(cfg, k)!r}" for k in fixed)
+                    raise ConfigError(f"trainer.resume: {path} cannot continue with a changed {diffs} "
+                                      "(revert them, or start a new run in another trainer.output_dir)")
+            cfg.trainer.resume = path
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
+
+
+def _lookup_cfg(cfg: Config, key: str):
+    value = cfg
+    for part in key.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def resume_command(argv: list[str]) -> str:
+    kept = [a for a in argv if not a.startswith(("trainer.resume=", "trainer.overwrite="))]
+    return shlex.join(["python", sys.argv[0] if sys.argv and sys.argv[0] else "launch/<mode>.py", *kept, "trainer.resume=latest"])
+
+
 def main(mode: str, argv: list[str]) -> None:
     """Entry point of launch/<mode>.py: load the config, run the mode's driver, print a summary."""
     import logging
@@ -23,15 +78,45 @@ def main(mode: str, argv: list[str]) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = config_or_exit(mode, argv)
-
-    from async_flowgrpo.modes import run
-    from async_flowgrpo.pipeline import PipelineError
-
-    print(f"async_flowgrpo {mode}: model={cfg.model.path} output_dir={cfg.trainer.output_dir}", file=sys.stderr)
+    # Until the pipeline takes over the signals (and after it gives them back) a signal just ends
+    # the process, with one line instead of a KeyboardInterrupt traceback.
+    stop = GracefulStop().install()
+    lock = None
     try:
-        summary = run(cfg)
-    except PipelineError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    print(summary)
+        with stop.abandonable():
+            cfg = config_or_exit(mode, argv)
+            try:
+                lock = preflight(cfg)
+            except (ConfigError, RunDirError) as e:
+                print(f"config error: {e}", file=sys.stderr)
+                raise SystemExit(2) from None
+
+            from async_flowgrpo.modes import run
+            from async_flowgrpo.pipeline import PipelineError
+
+            print(f"async_flowgrpo {mode}: model={cfg.model.path} output_dir={cfg.trainer.output_dir}", file=sys.stderr)
+            try:
+                summary = run(cfg)
+            except PipelineError as e:
+                print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(1) from None
+        print(summary)
+    except Stopped as e:
+        how = "" if e.saved else " without a checkpoint of it (second signal; the previous checkpoint is the latest)"
+        print(f"stopped at step {e.step}{how}; resume with: {resume_command(argv)}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
+    except StopRequested as e:
+        print("stopped during start-up (nothing trained by this run); run the same command again", file=sys.stderr)
+        raise SystemExit(128 + e.signum) from None
+    finally:
+        stop.uninstall()
+        _shutdown_ray()
+        if lock is not None:
+            lock.release()
+
+
+def _shutdown_ray() -> None:
+    """A local cluster's raylet and GCS must not outlive the driver, however it ends."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

@@ -22,6 +22,7 @@ from async_flowgrpo.rewards import available_rewards
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
 MODES = ("sync", "one_step_off", "fully_async")
+ALGORITHMS = ("flow_grpo", "diffusion_nft")
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,9 @@ class RolloutConfig:
     guidance_scale: float = 4.5
     noise_level: float = 0.7
     sde_type: str = "sde"  # sde | cps
+    # sde: a stochastic window recorded step by step (Flow-GRPO); ode: deterministic Euler steps,
+    # only the final latent recorded (DiffusionNFT)
+    sampler: str = "sde"
     sde_window_size: int = 0  # recorded stochastic steps; 0 = all but the last (original Flow-GRPO)
     sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
@@ -83,6 +87,7 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
+    name: str = "flow_grpo"  # flow_grpo | diffusion_nft (which also merges config/diffusion_nft.yaml)
     max_staleness: int = 1  # eta: admission control bound (0 = sync)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
@@ -94,6 +99,12 @@ class AlgorithmConfig:
     mean_only: bool = False
     drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
     stale_policy: str = "block"  # block | drop (groups that still arrive older than eta)
+    # DiffusionNFT (algo.nft_loss); beta above is its KL coefficient on velocities, adv_clip maps A to r
+    nft_beta: float = 1.0  # implicit-policy strength: v+- = v_old +- beta (v_theta - v_old)
+    nft_timestep_fraction: float = 0.99  # trained noise levels per sample: this share of the sampler's
+    nft_decay_start: int = 0  # old-policy soft update old <- d old + (1 - d) theta: d = 0 before this update,
+    nft_decay_rate: float = 0.001  # then + rate per update,
+    nft_decay_max: float = 0.5  # up to this (the public code's defaults)
 
 
 @dataclass
@@ -184,23 +195,32 @@ def load_config(mode: str, args: list[str] | None = None, config_dir: str = CONF
         else:
             raise ConfigError(f"{arg}: expected key=value or a .yaml file")
     try:
-        cfg = OmegaConf.structured(Config)
-        for path in yaml_files:
-            if not os.path.exists(path):
-                raise ConfigError(f"config file not found: {path}")
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
-        for override in overrides:
-            # A whole-dict value (reward.weights={jpeg_incompressibility: 1.0}) replaces the
-            # dict; a plain merge would keep the base file's entries too.
-            key, value = override.split("=", 1)
-            if value.lstrip().startswith("{"):
-                OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
+        cfg = _merge(yaml_files, overrides)
+        if cfg.algorithm.name != "flow_grpo" and cfg.algorithm.name in ALGORITHMS:
+            # The algorithm's own defaults go after the mode file and before the user's files and
+            # overrides: one key selects it in any launcher, and anything given explicitly wins.
+            cfg = _merge(yaml_files[:2] + [os.path.join(config_dir, f"{cfg.algorithm.name}.yaml")] + yaml_files[2:], overrides)
         config: Config = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
     validate(config)
     return config
+
+
+def _merge(yaml_files: list[str], overrides: list[str]):
+    cfg = OmegaConf.structured(Config)
+    for path in yaml_files:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file not found: {path}")
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    for override in overrides:
+        # A whole-dict value (reward.weights={jpeg_incompressibility: 1.0}) replaces the
+        # dict; a plain merge would keep the base file's entries too.
+        key, value = override.split("=", 1)
+        if value.lstrip().startswith("{"):
+            OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
+    return cfg
 
 
 def to_yaml(config: Config) -> str:
@@ -249,21 +269,22 @@ def validate(c: Config) -> None:
     _require(r.guidance_scale >= 0, "rollout.guidance_scale", "must be >= 0")
     _require(0 < r.noise_level <= 2, "rollout.noise_level", "must be in (0, 2]")
     _choice(r.sde_type, "rollout.sde_type", ("sde", "cps"))
-    _require(r.sde_window_size >= 0, "rollout.sde_window_size", "must be >= 0 (0 = all but the last step)")
-    _require(
-        r.sde_window_size <= r.num_steps - 1,
-        "rollout.sde_window_size",
-        f"window of {r.sde_window_size} steps does not fit in {r.num_steps} steps (the last step is never trained)",
-    )
-    if r.sde_window_range is not None:
-        lo_hi = list(r.sde_window_range)
-        _require(len(lo_hi) == 2, "rollout.sde_window_range", "must be [lo, hi]")
-        lo, hi = lo_hi
-        anywhere = "; rollout.sde_window_range=null lets the window start anywhere"
-        _require(0 <= lo < hi <= r.num_steps - 1, "rollout.sde_window_range",
-                 f"need 0 <= lo < hi <= num_steps-1 = {r.num_steps - 1}{anywhere}")
-        window = r.sde_window_size or r.num_steps - 1
-        _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi}){anywhere}")
+    if r.sampler == "sde":  # an ODE sample (rollout.sampler ode) has no window
+        _require(r.sde_window_size >= 0, "rollout.sde_window_size", "must be >= 0 (0 = all but the last step)")
+        _require(
+            r.sde_window_size <= r.num_steps - 1,
+            "rollout.sde_window_size",
+            f"window of {r.sde_window_size} steps does not fit in {r.num_steps} steps (the last step is never trained)",
+        )
+        if r.sde_window_range is not None:
+            lo_hi = list(r.sde_window_range)
+            _require(len(lo_hi) == 2, "rollout.sde_window_range", "must be [lo, hi]")
+            lo, hi = lo_hi
+            anywhere = "; rollout.sde_window_range=null lets the window start anywhere"
+            _require(0 <= lo < hi <= r.num_steps - 1, "rollout.sde_window_range",
+                     f"need 0 <= lo < hi <= num_steps-1 = {r.num_steps - 1}{anywhere}")
+            window = r.sde_window_size or r.num_steps - 1
+            _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi}){anywhere}")
     _require(r.resolution >= 0 and r.resolution % 16 == 0, "rollout.resolution", "must be 0 (model default) or a multiple of 16")
 
     t = c.trainer
@@ -280,8 +301,10 @@ def validate(c: Config) -> None:
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
     _require(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", "must be >= 1")
-    _require(not (os.path.exists(t.output_dir) and not os.path.isdir(t.output_dir)), "trainer.output_dir",
-             f"{t.output_dir} exists and is not a directory")
+    existing = os.path.abspath(t.output_dir)  # the directory itself or the nearest ancestor that exists
+    while not os.path.exists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    _require(os.path.isdir(existing), "trainer.output_dir", f"{existing} exists and is not a directory")
     _require(t.sample_every >= 0, "trainer.sample_every", "must be >= 0")
     # Trainers split a batch by whole groups; each splits its share into mini-batches of samples.
     _require(
@@ -306,6 +329,21 @@ def validate(c: Config) -> None:
     _require(a.beta >= 0, "algorithm.beta", "must be >= 0")
     _choice(a.prox_mode, "algorithm.prox_mode", ("recompute", "bypass"))
     _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
+    _choice(a.name, "algorithm.name", ALGORITHMS)
+    _choice(r.sampler, "rollout.sampler", ("sde", "ode"))
+    if a.name == "flow_grpo":
+        _require(r.sampler == "sde", "rollout.sampler", "flow_grpo trains on the log-probs of an SDE window; use sde")
+    else:
+        _require(r.sampler == "ode", "rollout.sampler", "diffusion_nft trains on final latents of ODE samples; use ode")
+        _require(not r.shared_initial_noise, "rollout.shared_initial_noise",
+                 "an ODE sample is fixed by its initial noise: a group would be n copies of one image; use false")
+        _require(r.engine == "diffusers", "rollout.engine", "diffusion_nft rollouts need the diffusers engine for now")
+        _require(not t.fsdp, "trainer.fsdp", "diffusion_nft trains replicated weights for now; use false")
+        _require(a.nft_beta > 0, "algorithm.nft_beta", "must be > 0")
+        _require(0 < a.nft_timestep_fraction <= 1, "algorithm.nft_timestep_fraction", "must be in (0, 1]")
+        _require(a.nft_decay_start >= 0, "algorithm.nft_decay_start", "must be >= 0")
+        _require(a.nft_decay_rate >= 0, "algorithm.nft_decay_rate", "must be >= 0")
+        _require(0 <= a.nft_decay_max < 1, "algorithm.nft_decay_max", "must be in [0, 1) (1 would freeze the sampling policy)")
     _require(not (a.beta > 0 and c.model.lora_rank == 0), "algorithm.beta", "KL to the reference needs LoRA (model.lora_rank > 0)")
     if c.mode == "sync":
         _require(a.max_staleness == 0, "algorithm.max_staleness", "sync mode is max_staleness 0")

@@ -101,10 +101,14 @@ def main(argv: list[str]) -> None:
     cfg = config_or_exit("fully_async", argv)
     policy = build_policy(cfg)
     if cfg.trainer.resume:
-        from async_flowgrpo.pipeline import latest_checkpoint
+        from async_flowgrpo import checkpoint
 
-        path = latest_checkpoint(cfg.trainer.output_dir) if cfg.trainer.resume == "latest" else cfg.trainer.resume
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        try:  # safetensors + JSON: a checkpoint file never runs code
+            path, _ = checkpoint.Checkpointer(os.path.join(cfg.trainer.output_dir, "checkpoints")).find(cfg.trainer.resume)
+            state = checkpoint.load(path)
+        except checkpoint.CheckpointError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         policy.load_trainable_state(state["learner"]["trainable"])
         print(f"weights: {path} (step {state['step']})")
     result = evaluate_policy(policy, cfg)

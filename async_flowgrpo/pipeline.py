@@ -6,7 +6,7 @@ A driver (async_flowgrpo/modes/*.py) only decides *when* to generate, train and 
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 from collections import deque
 import logging
 import os
@@ -18,11 +18,13 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from async_flowgrpo import algo
+from async_flowgrpo import algo, checkpoint
+from async_flowgrpo.checkpoint import Checkpointer, CheckpointError
 from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
 from async_flowgrpo.rewards.pool import make_reward_pool
 from async_flowgrpo.rollout.worker import RolloutActor
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
 from async_flowgrpo.sync import free_port, make_transport, node_ip
 from async_flowgrpo.training import TrainerActor
 from async_flowgrpo.types import Group
@@ -84,9 +86,17 @@ def rollout_actor_name(output_dir: str, index: int) -> str:
     return f"async_flowgrpo:{os.path.abspath(output_dir)}:rollout-{index}"
 
 
-def latest_checkpoint(output_dir: str) -> str | None:
-    found = sorted(glob.glob(os.path.join(output_dir, "checkpoints", "step_*")))
-    return found[-1] if found else None
+def checkpointer(cfg: Config) -> Checkpointer:
+    return Checkpointer(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints)
+
+
+def sync_host(cfg: Config) -> str | None:
+    """Where the weight-sync rendezvous listens: sync.host, else loopback when the Ray cluster is
+    one node (no other machine can reach it), else the trainer's node IP (None)."""
+    if cfg.sync.host:
+        return cfg.sync.host
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return "127.0.0.1" if len(alive) == 1 else None
 
 
 class Pipeline:
@@ -94,8 +104,11 @@ class Pipeline:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.checkpointer = checkpointer(cfg)
+        self.stop = GracefulStop()
         init_ray(cfg)
         check_resources(cfg)
+        self.stop.install()  # after ray.init, which installs a SIGTERM handler of its own; undone by shutdown()
         r, t = cfg.rollout, cfg.trainer
         self.transport = make_transport(
             cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s, verify=cfg.sync.verify
@@ -106,7 +119,8 @@ class Pipeline:
         self.trainers, self.rollouts, self.reward_actors, self.log = [], [], [], None
         self.placement = placement_group(bundles, strategy="PACK")
         try:
-            self._start(cfg, bundles)
+            with self.stop.abandonable():  # a signal during start-up: nothing to save yet
+                self._start(cfg, bundles)
         except BaseException:
             self.shutdown()  # no half-started actors left behind
             raise
@@ -133,6 +147,7 @@ class Pipeline:
         ]
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=600)
         self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=60)  # a new pid = a restart
+        self.sync_host = sync_host(cfg)
         self.connect_sync_group()
 
         self.version = 0  # published weight version
@@ -144,6 +159,9 @@ class Pipeline:
         self.consumed_samples = 0
         self.produced_samples = 0  # batch modes (fully_async: the queue counts)
         self.skipped_groups = 0
+        self._reward_errors_seen: dict[int, int] = {}  # fully_async: per rollout actor, to count skipped groups
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
         self.rollout_restarts = 0
         self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async)
         self.sync_totals = {"sync/total_time_s": 0.0, "sync/total_bytes": 0.0}
@@ -168,7 +186,7 @@ class Pipeline:
     def connect_sync_group(self) -> None:
         """(Re)build the group of trainer rank 0 + every rollout actor; rerun after replacing one."""
         world = len(self.rollouts) + 1
-        address = ray.get(self.trainers[0].sync_address.remote(), timeout=60)
+        address = ray.get(self.trainers[0].sync_address.remote(self.sync_host), timeout=60)
         ray.get(
             [self.trainers[0].sync_connect.remote(address, world)]
             + [rollout.sync_connect.remote(address, i + 1, world) for i, rollout in enumerate(self.rollouts)],
@@ -256,12 +274,13 @@ class Pipeline:
     def collect(self, pending: list) -> list[Group]:
         """Wait for a batch; a share lost with a dead rollout actor is regenerated after its restart."""
         groups = []
-        for i, tickets, ref in pending:
-            try:
-                groups += ray.get(ref, timeout=3600)
-            except ray.exceptions.RayActorError as e:
-                self.recover_rollout(i, e)
-                groups += ray.get(self.rollouts[i].generate.remote(tickets), timeout=3600)
+        with self.stop.abandonable():  # only waiting: a batch left half-made is regenerated on resume
+            for i, tickets, ref in pending:
+                try:
+                    groups += ray.get(ref, timeout=3600)
+                except ray.exceptions.RayActorError as e:
+                    self.recover_rollout(i, e)
+                    groups += ray.get(self.rollouts[i].generate.remote(tickets), timeout=3600)
         self._collected_end = self._batch_ends.popleft()
         kept = [g for g in groups if g is not None]
         self.skipped_groups += len(groups) - len(kept)
@@ -305,12 +324,30 @@ class Pipeline:
         self.trained_ticket_end = self._collected_end  # batch modes: resume regenerates from here
         self.step += 1
         self.version += 1
+        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * n)
         return metrics
+
+    def _count_nonfinite(self, metrics: dict, updates: int) -> None:
+        """Skipped NaN/inf updates are warned about; too many whole steps of them in a row stop the run."""
+        try:
+            warning = self.nonfinite.update(self.step, int(metrics.get("train/skipped_nonfinite", 0)), updates)
+        except Diverged as e:
+            last = self.checkpointer.latest_name()
+            raise PipelineError(f"{e}; lower trainer.lr (now {self.cfg.trainer.lr:g}) and resume from the last "
+                                f"checkpoint ({last or 'none'}) with trainer.resume=latest") from None
+        if warning:
+            logger.warning(warning)
+        metrics["train/nonfinite_steps"] = self.nonfinite.steps
 
     # -- logging, evaluation, checkpoints --------------------------------------------------------
     def step_metrics(self, train_metrics: dict, extra: dict | None = None) -> dict:
         elapsed = time.perf_counter() - self.start_time
         rollout_stats = ray.get([r.stats.remote() for r in self.rollouts], timeout=60)
+        if self.cfg.mode == "fully_async":  # batch modes count skipped groups in collect()
+            for i, s in enumerate(rollout_stats):  # each reward failure skips one group
+                errors, seen = int(s.get("rewards/errors", 0)), self._reward_errors_seen.get(i, 0)
+                self.skipped_groups += errors - seen if errors >= seen else errors  # fewer: the actor restarted
+                self._reward_errors_seen[i] = errors
         trainer_idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=60)
         m = {
             "step": self.step,
@@ -324,6 +361,7 @@ class Pipeline:
             "perf/trainer_idle_frac": sum(trainer_idle) / len(trainer_idle),
             "samples/consumed": self.consumed_samples,
             "rewards/skipped_groups": self.skipped_groups,
+            "train/nonfinite_steps": self.nonfinite.steps,
             "rollout/restarts": self.rollout_restarts,
             "rollout/lost_groups": self.lost_groups,
         }
@@ -361,18 +399,22 @@ class Pipeline:
         return {}
 
     def save_checkpoint(self) -> str:
-        path = os.path.join(self.cfg.trainer.output_dir, "checkpoints", f"step_{self.step:06d}")
-        os.makedirs(path, exist_ok=True)
+        """Atomically (see async_flowgrpo/checkpoint.py): state.json + tensors.safetensors + weights/."""
         state = {
             "step": self.step,
             "version": self.version,
             "next_ticket": self.trained_ticket_end,
             "consumed_samples": self.consumed_samples,
+            "skipped_groups": self.skipped_groups,
+            "nonfinite_steps": self.nonfinite.steps,
+            "config": dataclasses.asdict(self.cfg),  # resume compares the new config with it
             "learner": self.on_trainers("state_dict"),
             **self.checkpoint_extra(),
         }
-        torch.save(state, os.path.join(path, "state.pt"))
-        self.on_trainers("save_weights", os.path.join(path, "weights"))
+        path = self.checkpointer.save(
+            self.step, state, write_extra=lambda tmp: self.on_trainers("save_weights", os.path.join(tmp, "weights"))
+        )
+        self.saved_step = self.step
         return path
 
     def resume_if_asked(self) -> dict:
@@ -380,14 +422,25 @@ class Pipeline:
         if not resume:
             self.resumed_state = {}
             return {}
-        path = latest_checkpoint(self.cfg.trainer.output_dir) if resume == "latest" else resume
-        if path is None:
-            raise PipelineError(f"trainer.resume=latest: no checkpoint under {self.cfg.trainer.output_dir}/checkpoints")
-        state = torch.load(os.path.join(path, "state.pt"), weights_only=False)
+        try:
+            path, _ = self.checkpointer.find(resume)
+            state = checkpoint.load(path)
+        except CheckpointError as e:
+            raise PipelineError(str(e)) from None
+        if "config" in state:  # (legacy state.pt checkpoints have none)
+            fixed, changed = checkpoint.config_changes(state["config"], self.cfg)
+            if fixed:
+                raise PipelineError(f"trainer.resume: {path} cannot continue with a changed {', '.join(fixed)}")
+            if changed:
+                logger.info("resume: applying changed settings: %s", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        checkpoint.apply_optimizer_settings(state["learner"]["optimizer"], self.cfg)  # the new lr takes effect
         ray.get([t.load_state_dict.remote(state["learner"]) for t in self.trainers], timeout=600)
         self.step, self.version = state["step"], state["version"]
         self.next_ticket = self.trained_ticket_end = state["next_ticket"]
         self.consumed_samples = state["consumed_samples"]
+        self.skipped_groups = state.get("skipped_groups", 0)
+        self.nonfinite.steps = state.get("nonfinite_steps", 0)
+        self.saved_step = self.step
         self.resumed_state = state
         logger.info("resumed from %s at step %d", path, self.step)
         return state
@@ -401,13 +454,17 @@ class Pipeline:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        """Ctrl-C saves a checkpoint; a dead actor ends the run with one clear line; always shut down."""
+        """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
+        line; always shut down."""
         try:
-            if exc_type is KeyboardInterrupt:
-                path = self.save_checkpoint()
-                self.log.write(f"interrupted at step {self.step}: checkpoint {path} (resume with trainer.resume=latest)")
+            if exc_type is not None and issubclass(exc_type, StopRequested):
+                # Raised only between steps or while waiting for rollouts: step N holds exactly N updates.
+                if not exc.force and self.saved_step != self.step:
+                    self.save_checkpoint()
+                saved = not exc.force or self.saved_step == self.step
+                raise Stopped(exc.signum, self.step, saved) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
-                last = latest_checkpoint(self.cfg.trainer.output_dir)
+                last = self.checkpointer.latest_name()
                 raise PipelineError(
                     f"an actor died at step {self.step} ({str(exc).splitlines()[0][:200]}); "
                     f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
@@ -426,3 +483,4 @@ class Pipeline:
         remove_placement_group(self.placement)
         if self.log is not None:
             self.log.close()
+        self.stop.uninstall()

@@ -159,6 +159,9 @@ class DiffusionPolicy:
     ) -> list[Group]:
         """Denoise len(prompts) * group_size samples as one batch; one Group per prompt.
 
+        The window's steps are stochastic and recorded (Flow-GRPO); window_size 0 samples by ODE
+        and records only the final latent, stamped with every step's version (DiffusionNFT).
+
         One CPU torch.Generator seeded by `seed` draws, in order, the window position, the initial
         noise and each window step's noise, so a seed reproduces the batch on any device.
         shared_initial_noise gives every sample of a group the same initial noise (DanceGRPO's
@@ -191,9 +194,10 @@ class DiffusionPolicy:
             x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen)
         x = x.to(self.device)
 
-        recorded, log_probs, versions = [], [], []
+        recorded, log_probs, versions, step_versions = [], [], [], []
         for i in range(num_steps):
             version = int(version_fn())  # outside no_grad: the hook may copy new weights in
+            step_versions.append(version)
             with torch.no_grad():
                 v = self.adapter.velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
                 if start <= i < end:
@@ -211,7 +215,13 @@ class DiffusionPolicy:
         images = self.adapter.decode(x)
 
         n = group_size
-        all_latents = torch.stack(recorded, 1) if recorded else torch.empty(x.shape[0], 0, *latent_shape)
+        if end == start:
+            # no window: record the final latent (sigma 0), which every denoising step made; it is all
+            # DiffusionNFT trains on (and evaluation ignores it)
+            recorded, versions, recorded_sigmas = [x.cpu()], step_versions, sigmas[-1:]
+        else:
+            recorded_sigmas = sigmas[start : end + 1]
+        all_latents = torch.stack(recorded, 1)
         all_logp = torch.stack(log_probs, 1) if log_probs else torch.empty(x.shape[0], 0)
         params = SamplingParams(
             num_steps=num_steps,
@@ -233,7 +243,7 @@ class DiffusionPolicy:
                     metadata=metadata[g],
                     params=params,
                     latents=all_latents[g * n : (g + 1) * n].clone(),
-                    sigmas=sigmas[start : end + 1].clone() if end > start else torch.empty(0),
+                    sigmas=recorded_sigmas.clone(),
                     log_probs=all_logp[g * n : (g + 1) * n].clone(),
                     versions=torch.tensor(versions, dtype=torch.long),
                     images=images[g * n : (g + 1) * n].clone(),
@@ -251,6 +261,28 @@ class DiffusionPolicy:
         return groups
 
     # ---------------------------------------------------------------- training
+
+    def velocity(
+        self,
+        x: Tensor,
+        sigma: Tensor,
+        prompt_embeds: Tensor,
+        pooled: Tensor,
+        *,
+        guidance_scale: float = 1.0,
+        reference: bool = False,
+    ) -> Tensor:
+        """Conditional velocity in float32 at per-sample sigma [B], never a CFG combination:
+        with gradients through the trained transformer or, with reference=True, the reference's
+        (LoRA adapters off, or the frozen copy) without gradient. guidance_scale reaches only
+        guidance-distilled models (Flux-dev), where it is an input of the network rather than a
+        CFG batch. DiffusionNFT's forward-process loss uses it."""
+        x = x.to(self.device, torch.float32)
+        guidance = guidance_scale if getattr(self.adapter, "guidance_distilled", False) else 1.0
+        if not reference:
+            return self.adapter.velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance)
+        with torch.no_grad(), self._reference_transformer() as ref:
+            return self.adapter.velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance, transformer=ref)
 
     def recompute(
         self,

@@ -43,22 +43,35 @@ def resolve_prompt_path(path: str) -> str:
 
 
 def load_prompts(path: str) -> list[Prompt]:
+    """Raises ValueError naming the file (and line) for anything but a readable, non-empty prompt file."""
     path = resolve_prompt_path(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a directory, not a prompt file (.txt or .jsonl)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        text = data.decode("utf-8-sig")  # (a leading byte-order mark is not part of the first prompt)
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     prompts: list[Prompt] = []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or (line.startswith("#") and not path.endswith(".jsonl")):
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    row = json.loads(line)
-                    text = row.pop("prompt")
-                except (json.JSONDecodeError, KeyError) as e:
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object with a 'prompt' key ({e})") from None
-                prompts.append(Prompt(str(text), row))
-            else:
-                prompts.append(Prompt(line))
+    for line_no, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
+        line = line.strip()
+        if not line or (line.startswith("#") and not path.endswith(".jsonl")):
+            continue
+        if path.endswith(".jsonl"):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+                raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty string 'prompt' key")
+            prompts.append(Prompt(row.pop("prompt"), row))
+        else:
+            prompts.append(Prompt(line))
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")
     return prompts

@@ -102,6 +102,10 @@ class Learner:
         self.uncond_grad = uncond_grad
         self.grad_all_reduce = grad_all_reduce
 
+    def sampling_state(self) -> dict[str, Tensor]:
+        """The weights rollout actors sample with: Flow-GRPO's policy is the trained one."""
+        return self.policy.trainable_state()
+
     # ------------------------------------------------------------------ data
 
     @staticmethod

@@ -24,6 +24,7 @@ from async_flowgrpo.gpu_monitor import GpuMonitor
 from async_flowgrpo import fsdp
 from async_flowgrpo.builders import build_policy, model_dtype, set_cpu_threads
 from async_flowgrpo.policy import default_dtype
+from async_flowgrpo.nft_trainer import NFTLearner
 from async_flowgrpo.trainer import Learner
 from async_flowgrpo.types import Group
 
@@ -41,7 +42,7 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
         offset += n
 
 
-def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
+def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
     """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
     a, t = cfg.algorithm, cfg.trainer
     # sharded: fp32 master weights; FSDP casts them to the model dtype (bf16 on CUDA) to compute
@@ -51,6 +52,26 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner:
         compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+    if a.name == "diffusion_nft":
+        return NFTLearner(
+            policy,
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+            nft_beta=a.nft_beta,
+            adv_clip=a.adv_clip,
+            beta=a.beta,
+            timestep_fraction=a.nft_timestep_fraction,
+            decay_start=a.nft_decay_start,
+            decay_rate=a.nft_decay_rate,
+            decay_max=a.nft_decay_max,
+            # a group is at most max_staleness versions old when admitted and trained up to
+            # sync.every - 1 updates after a publication
+            keep_versions=a.max_staleness + cfg.sync.every + 1,
+            micro_batch_size=t.micro_batch_size,
+            mini_batches=t.mini_batches,
+            grad_all_reduce=grad_all_reduce,
+        )
     return Learner(
         policy,
         lr=t.lr,
@@ -103,29 +124,31 @@ class TrainerActor:
         return frac
 
     # -- whole weights: rank 0's, gathered from every rank when sharded -------------------------
-    def _trainable_state(self) -> dict[str, torch.Tensor]:
-        """Collective when sharded (every rank must call); rank 0 gets the weights, others {}."""
-        state = self.learner.policy.trainable_state()
+    def _trainable_state(self, sampling: bool = False) -> dict[str, torch.Tensor]:
+        """Collective when sharded (every rank must call); rank 0 gets the weights, others {}.
+        sampling: the weights rollout actors sample with (DiffusionNFT: its old copy), not the trained ones."""
+        state = self.learner.sampling_state() if sampling else self.learner.policy.trainable_state()
         return fsdp.gather(state.items(), keep=self.rank == 0) if self.sharded else state
 
-    def sync_address(self):
-        return self.sender.new_address()
+    def sync_address(self, host: str | None = None):
+        return self.sender.new_address(host)
 
     def sync_connect(self, address, world_size: int) -> None:
         self.sender.connect(address, world_size)
 
     def push(self, version: int):
         start = time.perf_counter()
-        state = self._trainable_state()
+        state = self._trainable_state(sampling=True)
         result = self.sender.send(state, version) if self.rank == 0 else None
         self._busy += time.perf_counter() - start
         return result
 
     def weights_digest(self) -> str | None:
-        """Every replicated rank hashes its own copy; sharded, rank 0 hashes the gathered weights."""
+        """The published (sampling) weights: every replicated rank hashes its own copy; sharded, rank 0
+        hashes the gathered weights."""
         from async_flowgrpo.sync import digest
 
-        state = self._trainable_state()
+        state = self._trainable_state(sampling=True)
         return None if self.sharded and self.rank != 0 else digest(state)
 
     # -- evaluation and checkpoints ------------------------------------------------------------

@@ -30,11 +30,15 @@ class SamplingParams:
 class Group:
     """n samples of one prompt with their denoising trajectories on the recorded steps.
 
-    Shapes (n = group size, W = window size, latent shape C,H,W):
-      latents    [n, W + 1, C, H, W]  x_j for j = window_start .. window_start + W (inputs and output)
-      sigmas     [W + 1]              sigma of each latent in `latents`
-      log_probs  [n, W]               behaviour log-prob of x_{j+1} given x_j (float32)
-      versions   [W]                  weight version that produced each recorded step
+    Two kinds, one layout. A window (Flow-GRPO, W = window size > 0) records the stochastic steps;
+    window_size 0 (an ODE sample: DiffusionNFT, evaluation) records only the final latent x_N
+    (sigma 0), which all num_steps steps made, and no log-probs.
+    Shapes (n = group size, latent shape C,H,W):
+      latents    [n, W + 1, C, H, W]  x_j for j = window_start .. window_start + W (inputs and output);
+                 [n, 1, C, H, W]      the final latent when window_size is 0
+      sigmas     [W + 1] or [1]       sigma of each latent in `latents`
+      log_probs  [n, W] or [n, 0]     behaviour log-prob of x_{j+1} given x_j (float32)
+      versions   [W] or [num_steps]   weight version of each step that produced the recorded latents
       images     [n, H, W, 3] uint8   decoded final images
       prompt_embeds [L, D], pooled_prompt_embeds [P]: the prompt's conditioning (shared by the n samples)
       negative_* : the unconditional conditioning used for CFG (None when guidance_scale <= 1)

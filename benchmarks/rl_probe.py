@@ -81,6 +81,8 @@ def parse_args(argv):
     ap.add_argument("--prompt", default=None, help="train on this one training prompt")
     ap.add_argument("--model", default="embedded", help="model.path (default: the shipped shapes model)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--also-eval-guidance", type=float, default=None,
+                    help="also evaluate the held-out prompts at this guidance scale (e.g. 4.5 for a CFG-free run)")
     ap.add_argument("--name", default="probe", help="results file name")
     ap.add_argument("--out", default=os.path.join(RESULTS, "rl_probe"))
     ap.add_argument("overrides", nargs="*", help="config key=value")
@@ -106,10 +108,26 @@ def training_prompts(cfg, kinds: str | None, prompt: str | None):
     return by_kind, weights
 
 
-def evaluate(policy, cfg, train_probe_path: str) -> dict:
+def generate_with_sampling_weights(learner, prompts, group_size, sampling, *, seed, version, metadata):
+    """What a rollout actor does: sample with the weights the trainer publishes (DiffusionNFT's
+    old copy; Flow-GRPO's trained weights) stamped with their version, then restore the trained ones."""
+    policy = learner.policy
+    trained = {k: v.clone() for k, v in policy.trainable_state().items()}
+    policy.load_trainable_state(learner.sampling_state())
+    try:
+        return policy.generate(prompts, group_size, **sampling, seed=seed, version_fn=lambda: version, metadata=metadata)
+    finally:
+        policy.load_trainable_state(trained)
+
+
+def evaluate(policy, cfg, train_probe_path: str, other_guidance: float | None = None) -> dict:
     held_out = evaluate_policy(policy, cfg)["metrics"]
     train = evaluate_policy(policy, replace(cfg, eval=replace(cfg.eval, prompts=train_probe_path)))["metrics"]
-    return {"held_out": _accuracies(held_out), "train": _accuracies(train)}
+    out = {"held_out": _accuracies(held_out), "train": _accuracies(train)}
+    if other_guidance is not None and other_guidance != cfg.eval.guidance_scale:
+        other = evaluate_policy(policy, replace(cfg, eval=replace(cfg.eval, guidance_scale=other_guidance)))["metrics"]
+        out[f"held_out_guidance_{other_guidance:g}"] = _accuracies(other)
+    return out
 
 
 def _accuracies(metrics: dict) -> dict:
@@ -140,17 +158,19 @@ def run(args, cfg, probe_path: str) -> dict:
     learner = build_learner(cfg)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
     sampling = sampling_kwargs(r)
-    log(f"rl_probe {args.name}: reward {args.reward}, kinds {weights}, {r.groups_per_step} x {r.group_size} samples a step, "
-        f"lr {cfg.trainer.lr}, lora_rank {cfg.model.lora_rank}, window {sampling['window_size']} in "
-        f"{sampling['window_range']}, shared noise {r.shared_initial_noise}")
+    log(f"rl_probe {args.name}: {a.name}, reward {args.reward} {cfg.reward.options}, kinds {weights}, "
+        f"{r.groups_per_step} x {r.group_size} samples a step, lr {cfg.trainer.lr}, lora_rank {cfg.model.lora_rank}, "
+        f"window {sampling['window_size']} in {sampling['window_range']}, shared noise {r.shared_initial_noise}, "
+        f"guidance {r.guidance_scale} (eval {cfg.eval.guidance_scale})")
     t0 = time.perf_counter()
-    evals = [{"step": 0, **evaluate(learner.policy, cfg, probe_path)}]
+    evals = [{"step": 0, **evaluate(learner.policy, cfg, probe_path, args.also_eval_guidance)}]
     log(f"step 0: {evals[-1]}")
     curve = []
     for step in range(1, args.steps + 1):
         batch = [rng.choice(by_kind[rng.choices(kinds, kind_weights)[0]]) for _ in range(r.groups_per_step)]
-        groups = learner.policy.generate([p.text for p in batch], r.group_size, **sampling, seed=r.seed * 1_000_003 + step,
-                                         metadata=[p.metadata for p in batch])
+        groups = generate_with_sampling_weights(learner, [p.text for p in batch], r.group_size, sampling,
+                                                seed=r.seed * 1_000_003 + step, version=step - 1,
+                                                metadata=[p.metadata for p in batch])
         scores, corrects = [], []
         for g, p in zip(groups, batch):
             score, components = reward(g.images, [p.text] * g.size, [p.metadata] * g.size)
@@ -169,7 +189,7 @@ def run(args, cfg, probe_path: str) -> dict:
             log(f"step {step}: reward {sum(c['reward'] for c in last) / 10:.3f} "
                 f"correct {sum(c['correct'] for c in last) / 10:.3f} ({time.perf_counter() - t0:.0f} s)")
         if step == args.steps or (args.eval_every and step % args.eval_every == 0):
-            evals.append({"step": step, **evaluate(learner.policy, cfg, probe_path)})
+            evals.append({"step": step, **evaluate(learner.policy, cfg, probe_path, args.also_eval_guidance)})
             log(f"step {step}: {evals[-1]}")
 
     result = {"name": args.name, "overrides": args.overrides, "reward": args.reward, "kinds": weights, "prompt": args.prompt,

@@ -386,3 +386,97 @@ def test_policy_loss_detaches_prox_and_behav():
     loss, _ = algo.policy_loss(lp, prox, behav, torch.ones(3), clip_range=0.2, adv_clip=5.0, is_cap=2.0)
     loss.backward()
     assert lp.grad is not None and prox.grad is None and behav.grad is None
+
+
+# ---- DiffusionNFT (arXiv 2509.16117; NVlabs/DiffusionNFT scripts/train_nft_sd3.py) ----
+
+
+def ref_nft(v_theta, v_old, x0, eps, s, r, beta):
+    """The paper's loss written in velocity space, float64: with the flow-matching target
+    v* = eps - x0, x0^ - x0 = s (v* - v), so the adaptive-weighted x0 error of a velocity v is
+    s * mean((v* - v)^2) / mean|v* - v|, for v+ = (1 - beta) v_old + beta v_theta and
+    v- = (1 + beta) v_old - beta v_theta; loss = (r L+ + (1 - r) L-) / beta per sample."""
+    target = eps - x0
+    s = torch.as_tensor(s, dtype=torch.float64)
+
+    def weighted(v):
+        d = (target - v).flatten(1)
+        return s * (d**2).mean(1) / d.abs().mean(1)
+
+    v_pos = (1 - beta) * v_old + beta * v_theta
+    v_neg = (1 + beta) * v_old - beta * v_theta
+    return (r * weighted(v_pos) + (1 - r) * weighted(v_neg)) / beta
+
+
+def nft_inputs(seed=0):
+    x0, eps, v_old = rand(*SHAPE, seed=seed), rand(*SHAPE, seed=seed + 1), rand(*SHAPE, seed=seed + 2)
+    v_theta = v_old + 0.3 * rand(*SHAPE, seed=seed + 3)
+    s = torch.tensor([1.0, 0.8, 0.45, 0.1], dtype=torch.float64)
+    x_t = (1 - col64(s)) * x0 + col64(s) * eps
+    return v_theta, v_old, x_t, x0, eps, s
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.1])
+def test_nft_loss_matches_float64_formula(beta):
+    v_theta, v_old, x_t, x0, eps, s = nft_inputs()
+    r = torch.tensor([0.0, 0.3, 0.5, 1.0], dtype=torch.float64)
+    got = algo.nft_loss(v_theta.float(), v_old.float(), x_t.float(), x0.float(), s.float(), r.float(), beta=beta)
+    assert got.dtype == torch.float32 and got.shape == (B,)
+    torch.testing.assert_close(got.double(), ref_nft(v_theta, v_old, x0, eps, s, r, beta), rtol=1e-5, atol=1e-5)
+    # float64 in, float64 out (and exact)
+    exact = algo.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=beta)
+    torch.testing.assert_close(exact, ref_nft(v_theta, v_old, x0, eps, s, r, beta), rtol=1e-12, atol=1e-12)
+
+
+def _nft_grad(v_theta, v_old, x_t, x0, s, r, beta):
+    v = v_theta.clone().requires_grad_(True)
+    algo.nft_loss(v, v_old, x_t, x0, s, r, beta=beta).sum().backward()
+    return v.grad
+
+
+def test_nft_reward_all_one_is_flow_matching_toward_the_sample_all_zero_away():
+    v_theta, v_old, x_t, x0, eps, s = nft_inputs(seed=5)
+    ones, zeros = torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
+    # r = 1, beta = 1: v+ = v_theta, the loss is the (adaptive-weighted) flow-matching loss of v_theta alone
+    fm = ref_nft(v_theta, v_theta, x0, eps, s, ones, 1.0)
+    torch.testing.assert_close(algo.nft_loss(v_theta, v_old, x_t, x0, s, ones, beta=1.0), fm, rtol=1e-12, atol=0)
+    # r = 0, beta = 1: only the negative policy 2 v_old - v_theta is fitted
+    neg = ref_nft(2 * v_old - v_theta, 2 * v_old - v_theta, x0, eps, s, ones, 1.0)
+    torch.testing.assert_close(algo.nft_loss(v_theta, v_old, x_t, x0, s, zeros, beta=1.0), neg, rtol=1e-12, atol=0)
+    # from v_theta = v_old, a small gradient step moves v_theta toward the target for r = 1, away for r = 0
+    target = eps - x0
+    for r, closer in ((ones, True), (zeros, False)):
+        for beta in (1.0, 0.1):
+            step = v_old - 1e-3 * _nft_grad(v_old, v_old, x_t, x0, s, r, beta)
+            before = ((v_old - target) ** 2).flatten(1).sum(1)
+            after = ((step - target) ** 2).flatten(1).sum(1)
+            assert bool(((after < before) if closer else (after > before)).all()), (r[0], beta)
+
+
+def test_nft_neutral_reward_gives_no_gradient_at_the_old_policy():
+    v_theta, v_old, x_t, x0, eps, s = nft_inputs(seed=7)
+    half = torch.full((B,), 0.5, dtype=torch.float64)
+    for beta in (1.0, 0.1, 1e-3):
+        assert _nft_grad(v_old, v_old, x_t, x0, s, half, beta).abs().max() < 1e-12
+
+
+def test_nft_beta_to_zero_gradient_has_the_derived_limit():
+    """d loss / d v_theta -> -2 s (2r - 1) (x0^_old - x0) / (w_old * numel) as beta -> 0 (per sample)."""
+    v_theta, v_old, x_t, x0, eps, s = nft_inputs(seed=11)
+    r = torch.tensor([0.0, 0.2, 0.7, 1.0], dtype=torch.float64)
+    err_old = x_t - col64(s) * v_old - x0
+    w_old = err_old.abs().flatten(1).mean(1)
+    numel = err_old[0].numel()
+    limit = -2 * col64(s) * col64(2 * r - 1) * err_old / (col64(w_old) * numel)
+    gaps = [float((_nft_grad(v_theta, v_old, x_t, x0, s, r, beta) - limit).abs().max()) for beta in (1e-2, 1e-4, 1e-6)]
+    assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-6 * float(limit.abs().max())
+    # the loss value itself stays finite for small beta (it grows like 1/beta)
+    assert torch.isfinite(algo.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=1e-6)).all()
+
+
+def test_nft_optimality_and_old_decay():
+    adv = torch.tensor([-9.0, -5.0, -2.5, 0.0, 2.5, 5.0, 9.0])
+    torch.testing.assert_close(algo.nft_optimality(adv, 5.0), torch.tensor([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]))
+    decay = dict(start=75, rate=0.0075, max_decay=0.999)  # the public code's decay_type 2
+    assert algo.nft_old_decay(0, **decay) == 0.0 and algo.nft_old_decay(74, **decay) == 0.0
+    assert algo.nft_old_decay(175, **decay) == pytest.approx(0.75) and algo.nft_old_decay(10_000, **decay) == 0.999

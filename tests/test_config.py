@@ -116,3 +116,56 @@ def test_model_family_file_requires_a_real_path(name, tiny_model_dir):
     with pytest.raises(ConfigError, match="model.path"):
         load_config("fully_async", [family_file])
     assert load_config("fully_async", [family_file, f"model.path={tiny_model_dir}"]).model.path == tiny_model_dir
+
+
+# -- bad input files and paths: one line naming the key, before Ray starts -------------------------
+BAD_PROMPT_FILES = {
+    "empty.txt": (b"", "has no prompts"),
+    "comments_only.txt": (b"# nothing\n\n", "has no prompts"),
+    "malformed.jsonl": (b'{"prompt": "a red circle"}\n{"prompt": \n', "malformed.jsonl:2: not valid JSON"),
+    "missing_key.jsonl": (b'{"text": "a red circle"}\n', "missing_key.jsonl:1: expected a JSON object"),
+    "not_an_object.jsonl": (b'["a red circle"]\n', "not_an_object.jsonl:1: expected a JSON object"),
+    "latin1.txt": ("a red circle\nun carré rouge\n".encode("latin-1"), "latin1.txt:2: not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_PROMPT_FILES))
+@pytest.mark.parametrize("key", ["rollout.prompts", "eval.prompts"])
+def test_bad_prompt_file_is_one_line_naming_key_and_file(name, key, model, tmp_path, capsys):
+    content, needle = BAD_PROMPT_FILES[name]
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        config_or_exit("sync", [model, f"{key}={path}", "rollout.prompt_mix=null"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"config error: {key}: ") and needle in err, err
+
+
+def test_prompt_path_that_is_a_directory(model, tmp_path):
+    with pytest.raises(ConfigError, match="rollout.prompts: .* is a directory"):
+        load_config("sync", [model, f"rollout.prompts={tmp_path}", "rollout.prompt_mix=null"])
+
+
+def test_output_dir_that_is_a_file(model, tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="trainer.output_dir: .* is not a directory"):
+        load_config("sync", [model, f"trainer.output_dir={tmp_path / 'file'}"])
+    with pytest.raises(ConfigError, match="trainer.output_dir"):  # a path through a file
+        load_config("sync", [model, f"trainer.output_dir={tmp_path / 'file' / 'run'}"])
+
+
+def test_an_engine_that_is_not_installed(model, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm_omni", None)  # as if not installed, even where it is
+    with pytest.raises(ConfigError, match="rollout.engine: vllm-omni is not installed"):
+        load_config("fully_async", [model, "rollout.engine=vllm_omni"])
+
+
+def test_new_safety_settings_are_validated(model):
+    for override, key in (("trainer.keep_checkpoints=-1", "trainer.keep_checkpoints"),
+                          ("trainer.max_nonfinite_steps=0", "trainer.max_nonfinite_steps")):
+        with pytest.raises(ConfigError, match=key):
+            load_config("sync", [model, override])
+    assert load_config("sync", [model, "sync.host=10.0.0.5"]).sync.host == "10.0.0.5"

@@ -145,10 +145,11 @@ def test_weights_change_and_rollout_matches_trainer_bit_for_bit(ray_cluster, tin
     assert rollout_digests == [after, after]
 
 
-def test_failing_reward_skips_its_group_and_the_run_goes_on(ray_cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_failing_reward_skips_its_group_and_the_run_goes_on(ray_cluster, tiny_model_dir, tmp_path, mode):
     prompts = tmp_path / "mixed.txt"
     prompts.write_text("a red circle\na blue zebra\na blue square\n")  # "zebra" fails to parse
-    cfg = small_config("sync", tiny_model_dir, str(prompts), str(tmp_path / "run"), "rollout.groups_per_step=3")
+    cfg = small_config(mode, tiny_model_dir, str(prompts), str(tmp_path / "run"), "rollout.groups_per_step=3")
     run(cfg)
     rows = read_metrics(str(tmp_path / "run"))
     assert len(rows) == 3
@@ -164,6 +165,18 @@ def test_reward_that_always_fails_stops_the_run(ray_cluster, tiny_model_dir, tmp
         run(cfg)
     assert len(str(error.value).splitlines()) == 1
     assert os.listdir(tmp_path / "run" / "checkpoints")  # stopped with a checkpoint of the good state
+
+
+def test_a_diverging_run_stops_loudly(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """trainer.lr=1e6: the weights blow up after the first update, every later update is non-finite
+    and skipped; after trainer.max_nonfinite_steps such steps in a row the run stops."""
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.lr=1e6", "trainer.total_steps=8",
+                       "trainer.max_nonfinite_steps=2")
+    with pytest.raises(PipelineError, match="training diverged: .*max_nonfinite_steps=2.*trainer.lr") as error:
+        run(cfg)
+    assert len(str(error.value).splitlines()) == 1
+    rows = read_metrics(str(tmp_path))
+    assert rows[-1]["train/nonfinite_steps"] >= 1 and len(rows) < 8
 
 
 def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
@@ -212,8 +225,10 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
     rows = read_metrics(resumed)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    a = torch.load(os.path.join(straight, "checkpoints", "step_000006", "state.pt"), weights_only=False)
-    b = torch.load(os.path.join(resumed, "checkpoints", "step_000006", "state.pt"), weights_only=False)
+    from async_flowgrpo import checkpoint
+
+    a = checkpoint.load(os.path.join(straight, "checkpoints", "step_000006"))
+    b = checkpoint.load(os.path.join(resumed, "checkpoints", "step_000006"))
     assert a["next_ticket"] == b["next_ticket"] == 6 * 2  # every group trained once, none skipped
     for name, value in a["learner"]["trainable"].items():
         torch.testing.assert_close(b["learner"]["trainable"][name], value, rtol=0, atol=1e-7)

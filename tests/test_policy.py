@@ -122,10 +122,15 @@ def test_version_fn_is_called_before_each_step_and_stamped(policy):
     assert g.staleness(1) == 1 and g.prompt_index == 10 and g.metadata == {"a": 1}
 
 
-def test_window_size_zero_is_a_pure_ode_sample(policy):
-    g = gen(policy, window_size=0)[0]
-    assert g.log_probs.shape == (2, 0) and g.latents.shape[1] == 0 and g.versions.numel() == 0
+def test_window_size_zero_is_a_pure_ode_sample_recording_the_final_latent(policy):
+    """DiffusionNFT's group: the final latent (sigma 0) and every step's version, no log-probs."""
+    steps = iter([0, 0, 1, 1, 1, 2])
+    g = gen(policy, window_size=0, version_fn=lambda: next(steps))[0]
+    assert g.log_probs.shape == (2, 0) and g.latents.shape[:2] == (2, 1) and g.sigmas.tolist() == [0.0]
+    assert g.versions.tolist() == [0, 0, 1, 1, 1, 2] and g.staleness(2) == 2
     assert g.images.shape == (2, 32, 32, 3)
+    # it is the latent the images were decoded from: decoding it again gives them back
+    assert (policy.adapter.decode(g.latents[:, 0]).int() - g.images.int()).abs().max() <= 1
 
 
 def test_trainable_state_round_trip_changes_output(policy):

@@ -101,6 +101,48 @@ def test_make_transport_validates_name():
         make_transport("carrier_pigeon")
 
 
+def test_sync_metadata_is_json_and_round_trips():
+    from async_flowgrpo.sync.engine import decode_meta, encode_meta
+
+    layout = plan(make_state("full", 0), 10_000)
+    raw = encode_meta(7, "ab" * 32, layout)
+    assert raw.startswith(b"{")  # JSON on the wire, never pickle
+    assert decode_meta(raw) == (7, "ab" * 32, layout)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x80\x04\x95...",  # a pickle
+    b'{"version": 1, "digest": "", "tensors": [["w", "os.system", [2], 8, 0, 0]], "bucket_sizes": [8]}',
+    b'{"version": 1}',
+    b"\xff\xfe",
+])
+def test_malformed_sync_metadata_is_refused(raw):
+    from async_flowgrpo.sync.engine import decode_meta
+
+    with pytest.raises(ValueError, match="malformed metadata"):
+        decode_meta(raw)
+
+
+def test_rendezvous_listens_only_where_asked():
+    """new_address(host=127.0.0.1): the store's socket is bound to loopback, not every interface."""
+    import socket
+
+    from async_flowgrpo.sync import WeightSyncGroup, new_address
+
+    address = new_address(host="127.0.0.1")
+    group = WeightSyncGroup(address, 0, 1, "cpu", timeout_s=30)
+    try:
+        assert address.host == "127.0.0.1"
+        listening = open("/proc/net/tcp").read().splitlines()[1:]
+        port_hex = f"{address.port:04X}"
+        local = [line.split()[1] for line in listening if line.split()[1].endswith(":" + port_hex) and line.split()[3] == "0A"]
+        assert local == [f"0100007F:{port_hex}"], local  # 127.0.0.1 only
+        with socket.create_connection(("127.0.0.1", address.port), timeout=5):
+            pass
+    finally:
+        group.destroy()
+
+
 # --- Ray actors ---------------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ def run(cfg: Config) -> dict:
         try:
             p.evaluate_at_start()
             while p.step < cfg.trainer.total_steps:
+                p.stop.check()  # SIGTERM/SIGINT: stop here, between two steps (at most get_batch's 5 s late)
                 groups = ray.get(queue.get_batch.remote(gps, 5.0), timeout=60)
                 for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
                     if ray.wait([loop], timeout=0)[0]:

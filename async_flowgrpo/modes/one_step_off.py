@@ -17,6 +17,7 @@ def run(cfg: Config) -> dict:
         p.evaluate_at_start()
         pending = p.generate_batch_async()
         while p.step < cfg.trainer.total_steps:
+            p.stop.check()  # SIGTERM/SIGINT: stop here, between two steps (the batch in flight is regenerated on resume)
             groups = p.collect(pending)
             sync = p.publish_weights()
             last = p.step + 1 >= cfg.trainer.total_steps

@@ -10,6 +10,7 @@ def run(cfg: Config) -> dict:
     with Pipeline(cfg) as p:
         p.evaluate_at_start()
         while p.step < cfg.trainer.total_steps:
+            p.stop.check()  # SIGTERM/SIGINT: stop here, between two steps
             groups = p.collect(p.generate_batch_async())  # rollout ...
             metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)
             if metrics is None:  # every group of the batch was skipped

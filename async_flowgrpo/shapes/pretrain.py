@@ -276,6 +276,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-every", type=int, default=250, help="transformer steps between state saves")
     ap.add_argument("--eval-every", type=int, default=1000,
                     help="transformer steps between gate checks of the EMA weights on held-out prompts (0: never)")
+    ap.add_argument("--export-ema", type=int, default=0, metavar="STEP",
+                    help="write the run's EMA snapshot of gate step STEP to --out instead of training")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -318,9 +320,17 @@ def main(argv: list[str] | None = None) -> None:
 
     remaining = max(budget - (time.time() - t0) - 10, 30) if budget > 0 else 0
     eval_rows = [{"prompt": spec_to_caption(s), "kind": s.kind, "spec": s.to_dict()} for s in split_prompts()[1]]
-    dit_steps, stats = train_dit(pipe, mean, std, caps, args.steps, remaining, args.batch, args.lr,
-                                 args.caption_dropout, spec.shift, gen, state_path, args.save_every,
-                                 eval_rows, args.eval_every)
+    if args.export_ema:  # a gate snapshot of a run (its EMA weights at that step) as a model directory
+        snapshot = f"{state_path}.ema{args.export_ema}"
+        if saved is None or not os.path.exists(snapshot):
+            raise SystemExit(f"--export-ema {args.export_ema}: no {snapshot} beside the state {state_path}")
+        torch.nn.ModuleList([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]).load_state_dict(
+            load_state(snapshot))
+        dit_steps, stats = args.export_ema, {"exported_from": os.path.basename(snapshot)}
+    else:
+        dit_steps, stats = train_dit(pipe, mean, std, caps, args.steps, remaining, args.batch, args.lr,
+                                     args.caption_dropout, spec.shift, gen, state_path, args.save_every,
+                                     eval_rows, args.eval_every)
 
     pipe.transformer.to(torch.float16)
     pipe.vae.to(torch.float16)

@@ -75,8 +75,9 @@ StageHook = Callable[[State], None]
 
 
 class Sender(Protocol):
-    def new_address(self) -> Any:
-        """On the sender's process: where members meet for a (re)built group (None if no group)."""
+    def new_address(self, host: str | None = None) -> Any:
+        """On the sender's process: where members meet for a (re)built group (None if no group);
+        ``host``: the interface to listen on (None: this node's IP)."""
 
     def connect(self, address: Any, world_size: int) -> None:
         """Join (or rebuild) the group as rank 0. Called concurrently with the receivers' connect."""

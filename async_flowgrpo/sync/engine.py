@@ -1,9 +1,10 @@
 """Collective transport: trainer rank 0 broadcasts bucketed weights to every rollout actor.
 
 One sync, as seen on the wire (all broadcasts from rank 0 over a ``WeightSyncGroup``):
-  1. an int64 [1] tensor: length L of the pickled metadata;
-  2. a uint8 [L] tensor: pickled {version, digest, Layout} (names, dtypes, shapes, offsets,
-     bucket sizes), so receivers need no prior knowledge of the model;
+  1. an int64 [1] tensor: length L of the metadata;
+  2. a uint8 [L] tensor: UTF-8 JSON {version, digest, layout} (names, dtypes as strings, shapes,
+     offsets, bucket sizes), so receivers need no prior knowledge of the model. JSON, not pickle:
+     unpickling bytes from a socket would run whatever code they name (see `decode_meta`);
   3. one uint8 tensor per bucket (see ``buckets.py`` for the layout rule).
 The sender double-buffers: bucket k+1 is packed while bucket k's broadcast is in flight.
 Receivers stage every bucket into freshly allocated buffers (never the live model), return
@@ -12,17 +13,40 @@ views into them, and compare the sender's digest with one recomputed from the st
 
 from __future__ import annotations
 
-import pickle
+import json
 import time
 from contextlib import nullcontext
 
 import torch
 
 from .base import DigestMismatchError, ReceiveResult, SendResult, StageHook, State, SyncStats, check_digest, digest
-from .buckets import Layout, pack_bucket, plan, unpack
+from .buckets import Layout, TensorSpec, pack_bucket, plan, unpack
 from .group import GroupAddress, WeightSyncGroup, new_address
 
-__all__ = ["WeightSender", "WeightReceiver", "DigestMismatchError"]
+__all__ = ["WeightSender", "WeightReceiver", "DigestMismatchError", "encode_meta", "decode_meta"]
+
+def encode_meta(version: int, digest_hex: str, layout: Layout) -> bytes:
+    return json.dumps({
+        "version": int(version),
+        "digest": digest_hex,
+        "tensors": [[t.name, t.dtype, list(t.shape), t.nbytes, t.bucket, t.offset] for t in layout.tensors],
+        "bucket_sizes": list(layout.bucket_sizes),
+    }).encode()
+
+
+def decode_meta(raw: bytes) -> tuple[int, str, Layout]:
+    """Parse and check the sender's metadata; anything malformed is a ValueError, nothing is run."""
+    try:
+        meta = json.loads(raw.decode())
+        specs = []
+        for name, dtype, shape, nbytes, bucket, offset in meta["tensors"]:
+            if not isinstance(getattr(torch, str(dtype), None), torch.dtype):  # unpack does getattr(torch, dtype)
+                raise ValueError(f"dtype {dtype!r}")
+            specs.append(TensorSpec(str(name), dtype, tuple(int(d) for d in shape), int(nbytes), int(bucket), int(offset)))
+        layout = Layout(specs, [int(n) for n in meta["bucket_sizes"]])
+        return int(meta["version"]), str(meta["digest"]), layout
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"weight sync: malformed metadata from the sender ({e})") from None
 
 
 class _Member:
@@ -53,8 +77,8 @@ class WeightSender(_Member):
         super().__init__(bucket_mb, timeout_s, device, verify)
         self._buffers: list[torch.Tensor] = []  # two send buffers, kept across syncs
 
-    def new_address(self) -> GroupAddress:
-        return new_address()
+    def new_address(self, host: str | None = None) -> GroupAddress:
+        return new_address(host=host)
 
     def connect(self, address: GroupAddress, world_size: int) -> None:
         self._join(address, 0, world_size)
@@ -65,7 +89,7 @@ class WeightSender(_Member):
         start = time.perf_counter()
         layout = plan(state, self.bucket_bytes)
         dg = digest(state) if self.verify else ""
-        meta = bytearray(pickle.dumps({"version": int(version), "digest": dg, "layout": layout}))
+        meta = bytearray(encode_meta(version, dg, layout))
         payload = torch.frombuffer(meta, dtype=torch.uint8).to(group.device)
         group.broadcast(torch.tensor([len(meta)], dtype=torch.int64, device=group.device)).wait()
         group.broadcast(payload).wait()
@@ -117,8 +141,7 @@ class WeightReceiver(_Member):
             group.broadcast(length).wait()
             payload = torch.empty(int(length.item()), dtype=torch.uint8, device=group.device)
             group.broadcast(payload).wait()
-            meta = pickle.loads(payload.cpu().numpy().tobytes())
-            layout: Layout = meta["layout"]
+            version, sent_digest, layout = decode_meta(payload.cpu().numpy().tobytes())
             # Fresh staging buffers every sync: the returned tensors are views into them, owned by the caller.
             bufs = [torch.empty(n, dtype=torch.uint8, device=group.device) for n in layout.bucket_sizes]
             works = [group.broadcast(b) for b in bufs]
@@ -129,9 +152,9 @@ class WeightReceiver(_Member):
         state = unpack(bufs, layout)
         if self.stage_hook is not None:
             self.stage_hook(state)
-        dg = check_digest(state, meta["digest"]) if meta["digest"] and self.verify else meta["digest"]
-        stats = SyncStats(meta["version"], layout.nbytes, time.perf_counter() - start, len(bufs), dg)
-        return ReceiveResult(state, meta["version"], stats)
+        dg = check_digest(state, sent_digest) if sent_digest and self.verify else sent_digest
+        stats = SyncStats(version, layout.nbytes, time.perf_counter() - start, len(bufs), dg)
+        return ReceiveResult(state, version, stats)
 
     def _device_context(self, group: WeightSyncGroup):
         if self._stream is None:

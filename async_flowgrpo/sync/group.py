@@ -24,7 +24,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class GroupAddress:
-    """Where members rendezvous: rank 0's TCPStore, plus a name that prefixes every key."""
+    """Where members rendezvous: rank 0's TCPStore, plus a name that prefixes every key.
+
+    The store has no authentication: whoever reaches host:port can join the group or feed it
+    keys. So rank 0 listens on ``host`` only (not on every interface, torch's default), and
+    ``host`` is loopback whenever the whole group is on one node (see ``sync.host``)."""
 
     host: str
     port: int
@@ -51,13 +55,23 @@ def free_port() -> int:
 
 
 _generation = 0
+_listeners: dict[int, socket.socket] = {}  # port -> the bound socket rank 0's store will serve on
 
 
-def new_address(name: str | None = None) -> GroupAddress:
-    """Call on rank 0's process: a fresh address for a new (or rebuilt) group."""
+def new_address(name: str | None = None, host: str | None = None) -> GroupAddress:
+    """Call on rank 0's process: a fresh address for a new (or rebuilt) group, listening on
+    ``host`` only (default: this node's IP). The socket is bound here and handed to the TCPStore,
+    so no other process can take the port in between."""
     global _generation
     _generation += 1
-    return GroupAddress(node_ip(), free_port(), name or f"weight_sync/{_generation}")
+    host = host or node_ip()
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    _listeners[port] = listener
+    return GroupAddress(host, port, name or f"weight_sync/{_generation}")
 
 
 def default_device() -> torch.device:
@@ -88,14 +102,17 @@ class WeightSyncGroup:
         self.device = torch.device(device) if device is not None else default_device()
         timeout = datetime.timedelta(seconds=timeout_s)
         # wait_for_workers=False: the backend's own rendezvous below waits for everybody.
+        listener = _listeners.pop(address.port, None) if rank == 0 else None
         self._tcp_store = dist.TCPStore(
-            address.host, address.port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+            address.host, address.port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+            # detach(): the store owns the fd from here and closes it when it is destroyed
+            master_listen_fd=listener.detach() if listener is not None else None,
         )
         store = dist.PrefixStore(address.name, self._tcp_store)
         if self.device.type == "cuda":
             self.pg = _nccl(store, rank, world_size, timeout, self.device)
         else:
-            self.pg = _gloo(store, rank, world_size, timeout)
+            self.pg = _gloo(store, rank, world_size, timeout, address.host)
         # NCCL creates its communicator lazily; a tiny collective makes failures surface here.
         self.broadcast(torch.zeros(1, device=self.device)).wait()
 
@@ -116,12 +133,14 @@ class WeightSyncGroup:
         self._tcp_store = None
 
 
-def _gloo(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+def _gloo(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta, host: str) -> dist.ProcessGroupGloo:
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    # Bind gloo to the IP Ray knows for this node rather than whatever the hostname resolves to
-    # (often 127.0.1.1 inside containers, unreachable from other nodes).
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=node_ip())]
+    # Gloo's own listening sockets: on loopback when the rendezvous is (one node), else on the IP
+    # Ray knows for this node rather than whatever the hostname resolves to (often 127.0.1.1
+    # inside containers, unreachable from other nodes).
+    local = host.startswith("127.") or host == "localhost"
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1" if local else node_ip())]
     opts._threads = 2
     return dist.ProcessGroupGloo(store, rank, world_size, opts)
 

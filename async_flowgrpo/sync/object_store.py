@@ -24,7 +24,7 @@ class ObjectStoreSender:
         self.timeout_s, self.verify = timeout_s, verify
         self._latest: ray.ObjectRef | None = None
 
-    def new_address(self) -> None:
+    def new_address(self, host: str | None = None) -> None:
         return None  # nothing to rendezvous on
 
     def connect(self, address: Any = None, world_size: int = 0) -> None:

@@ -1,0 +1,280 @@
+"""NFTLearner: one DiffusionNFT update from a batch of groups, behind the `Learner` interface.
+
+DiffusionNFT (Zheng et al. 2025, arXiv 2509.16117) needs from a rollout only the final clean
+latent x0 of each sample, its prompt conditioning, its advantage and the weight version that
+generated it (an ODE group, window_size 0). Per sample the trainer draws
+`int(num_steps * timestep_fraction)` distinct noise levels of the sampler's schedule (as the public
+code does, each with fresh noise), noises x0 by the forward process x_t = (1 - s) x0 + s eps, and
+minimises `algo.nft_loss` between the trained velocity v_theta and the sampling policy's v_old,
+plus beta * mean((v_theta - v_ref)^2) to the reference (LoRA adapters off) when beta > 0.
+
+The sampling ("old") policy. As in the public implementation, rollouts do not sample with the
+trained weights theta but with a separate copy `old`, soft-updated after every batch:
+old <- d old + (1 - d) theta, d = algo.nft_old_decay(optimizer steps) (0 at first: old = theta).
+`sampling_state()` is what the trainer publishes to the rollout actors. The public code is
+synchronous, so its old copy at training time is the one that sampled. Here a group may be
+trained several versions after it was generated, so v_old must not come from today's old copy:
+the learner keeps the old copy published at each recent version (`snapshots`, one dict per
+version, never written in place) and computes v_old of a group with the snapshot of the version
+that generated it: exact, not an approximation. A group whose steps carry several versions (an
+in-flight update, sync.update_point between_steps) is scored with its oldest one, the version its
+staleness is counted from; config/diffusion_nft.yaml swaps weights between groups, so every
+sample comes from one version. Snapshots are kept for `keep_versions` versions (staleness bound +
+publication interval); a group older than that (or one from before a resume) falls back to the
+current old copy, the public code's choice, and is counted in nft/old_missing_frac.
+
+Cost: one no-grad forward per trained point for v_old (weights swapped once per distinct version
+in the batch, cheap for LoRA) besides the training forward; no CFG batch (CFG-free training).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from async_flowgrpo import algo
+from async_flowgrpo.policy import DiffusionPolicy
+from async_flowgrpo.trainer import Learner, _cpu_copy
+from async_flowgrpo.types import Group
+
+
+@dataclass
+class _Point:
+    """One training point: a sample noised to one level of its sampler's schedule."""
+
+    sample: int  # index of the sample in the batch
+    x0: Tensor  # [C, H, W] final latent
+    x_t: Tensor  # (1 - sigma) x0 + sigma eps
+    sigma: Tensor  # 0-dim
+    r: Tensor  # 0-dim optimality probability
+    version: int  # weights that generated the sample
+    embeds: Tensor
+    pooled: Tensor
+
+
+class NFTLearner:
+    def __init__(
+        self,
+        policy: DiffusionPolicy,
+        *,
+        lr: float = 3e-4,
+        weight_decay: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float = 1.0,
+        nft_beta: float = 1.0,
+        adv_clip: float = 5.0,
+        beta: float = 0.0,
+        timestep_fraction: float = 0.99,
+        decay_start: int = 0,
+        decay_rate: float = 0.001,
+        decay_max: float = 0.5,
+        keep_versions: int = 2,
+        micro_batch_size: int = 8,
+        mini_batches: int = 1,
+        grad_all_reduce: Callable[[list[nn.Parameter]], None] | None = None,
+    ):
+        if micro_batch_size < 1 or mini_batches < 1 or keep_versions < 1:
+            raise ValueError("micro_batch_size, mini_batches and keep_versions must be >= 1")
+        if beta > 0 and not policy.has_reference:
+            raise ValueError("algorithm.beta > 0 needs a reference: LoRA, or a policy built with reference_copy=True")
+        self.policy = policy
+        self.params = policy.trainable_parameters()
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.max_grad_norm = max_grad_norm
+        self.nft_beta = nft_beta
+        self.adv_clip = adv_clip
+        self.beta = beta
+        self.timestep_fraction = timestep_fraction
+        self.decay = dict(start=decay_start, rate=decay_rate, max_decay=decay_max)
+        self.keep_versions = keep_versions
+        self.micro_batch_size = micro_batch_size
+        self.mini_batches = mini_batches
+        self.grad_all_reduce = grad_all_reduce
+        self.old = {n: p.clone() for n, p in policy.trainable_state().items()}
+        self.snapshots: dict[int, dict[str, Tensor]] = {}
+        self.updates = 0  # optimizer steps taken: the decay schedule's clock
+
+    def sampling_state(self) -> dict[str, Tensor]:
+        """The weights rollout actors sample with: the old copy (replaced, never written in place)."""
+        return self.old
+
+    # ------------------------------------------------------------------ data
+
+    def _points(self, groups: list[Group]) -> tuple[list[_Point], int]:
+        points, n_samples = [], 0
+        for g in groups:
+            if g.advantages is None:
+                raise ValueError(f"group of prompt {g.prompt_index} has no advantages: set them on arrival")
+            if g.params.window_size != 0:
+                raise ValueError("diffusion_nft trains on ODE groups (window_size 0, final latent only); "
+                                 "set rollout.sampler=ode")
+            steps = g.params.num_steps
+            sigmas = self.policy.sigmas(steps, height=g.params.height, width=g.params.width)[:steps].float()
+            per_sample = max(1, int(steps * self.timestep_fraction))
+            r = algo.nft_optimality(g.advantages.float(), self.adv_clip)
+            for k in range(g.size):
+                x0 = g.latents[k, -1].float()
+                for j in torch.randperm(steps)[:per_sample].tolist():
+                    s = sigmas[j]
+                    x_t = (1 - s) * x0 + s * torch.randn_like(x0)
+                    points.append(_Point(n_samples, x0, x_t, s, r[k], g.min_version, g.prompt_embeds, g.pooled_prompt_embeds))
+                n_samples += 1
+        return points, n_samples
+
+    @staticmethod
+    def _guidance(groups: list[Group]) -> float:
+        """Reaches only guidance-distilled models (policy.velocity); one value per batch."""
+        values = {g.params.guidance_scale for g in groups}
+        if len(values) != 1:
+            raise ValueError(f"groups in one train_step must share guidance_scale; got {values}")
+        return values.pop()
+
+    def _velocity(self, points: list[_Point], sel: list[int], guidance: float, reference: bool = False) -> Tensor:
+        batch = [points[i] for i in sel]
+        return self.policy.velocity(
+            torch.stack([p.x_t for p in batch]),
+            torch.stack([p.sigma for p in batch]),
+            torch.stack([p.embeds for p in batch]),
+            torch.stack([p.pooled for p in batch]),
+            guidance_scale=guidance,
+            reference=reference,
+        )
+
+    def _micro(self, indices: list[int]):
+        for m in range(0, len(indices), self.micro_batch_size):
+            yield indices[m : m + self.micro_batch_size]
+
+    @torch.no_grad()
+    def _old_velocities(self, points: list[_Point], guidance: float) -> tuple[list[Tensor], int]:
+        """v_old of every point under the old weights of its sample's version; (velocities, missing)."""
+        by_version: dict[int, list[int]] = {}
+        for i, p in enumerate(points):
+            by_version.setdefault(p.version, []).append(i)
+        theta = {n: p.clone() for n, p in self.policy.trainable_state().items()}
+        v_old: list[Tensor] = [torch.empty(0)] * len(points)
+        missing = 0
+        try:
+            for version, indices in by_version.items():
+                weights = self.snapshots.get(version)
+                if weights is None:
+                    missing += len(indices)
+                    weights = self.old
+                self.policy.load_trainable_state(weights)
+                for sel in self._micro(indices):
+                    for i, v in zip(sel, self._velocity(points, sel, guidance)):
+                        v_old[i] = v
+        finally:
+            self.policy.load_trainable_state(theta)
+        return v_old, missing
+
+    # ------------------------------------------------------------------ update
+
+    def train_step(self, groups: list[Group], version: int) -> dict[str, float]:
+        """One DiffusionNFT update on `groups`; `version` is the published version (the weights
+        held now), whose old copy the rollouts got if this is the first call."""
+        t0 = time.perf_counter()
+        self.snapshots.setdefault(version, self.old)
+        points, n_samples = self._points(groups)
+        if n_samples < self.mini_batches:
+            raise ValueError(f"{n_samples} samples cannot fill {self.mini_batches} mini-batches")
+        guidance = self._guidance(groups)
+        v_old, missing = self._old_velocities(points, guidance)
+        dev = self.policy.device
+        minis = [set(c.tolist()) for c in torch.arange(n_samples).tensor_split(self.mini_batches)]
+
+        loss_sum = kl_sum = deviation_sum = torch.zeros((), device=dev)
+        grad_norms, points_trained, samples_trained, skipped = [], 0, 0, 0
+        for mini in minis:
+            indices = [i for i, p in enumerate(points) if p.sample in mini]
+            mb_loss = mb_kl = mb_dev = torch.zeros((), device=dev)
+            for sel in self._micro(indices):
+                v = self._velocity(points, sel, guidance)
+                old = torch.stack([v_old[i] for i in sel])
+                batch = [points[i] for i in sel]
+                loss = algo.nft_loss(
+                    v,
+                    old,
+                    torch.stack([p.x_t for p in batch]).to(dev),
+                    torch.stack([p.x0 for p in batch]).to(dev),
+                    torch.stack([p.sigma for p in batch]).to(dev),
+                    torch.stack([p.r for p in batch]).to(dev),
+                    beta=self.nft_beta,
+                )
+                total = loss.sum()
+                if self.beta > 0:
+                    v_ref = self._velocity(points, sel, guidance, reference=True)
+                    kl = self.beta * ((v - v_ref) ** 2).flatten(1).mean(1).sum()
+                    total = total + kl
+                    mb_kl = mb_kl + kl.detach()
+                (total / len(indices)).backward()
+                mb_loss = mb_loss + loss.detach().sum()
+                mb_dev = mb_dev + ((v.detach() - old) ** 2).flatten(1).mean(1).sum()
+
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if self.grad_all_reduce is not None:
+                self.grad_all_reduce(self.params)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            if not (math.isfinite(grad_norm) and bool(torch.isfinite(mb_loss + mb_kl))):
+                skipped += 1  # a NaN/inf update would poison the weights for good: drop it
+            else:
+                self.optimizer.step()
+                self.updates += 1
+                grad_norms.append(grad_norm)
+                loss_sum, kl_sum, deviation_sum = loss_sum + mb_loss, kl_sum + mb_kl, deviation_sum + mb_dev
+                points_trained += len(indices)
+                samples_trained += len(mini)
+            self.optimizer.zero_grad(set_to_none=False)
+
+        decay = algo.nft_old_decay(self.updates, **self.decay)
+        with torch.no_grad():  # a new dict: published and snapshotted copies stay as they were
+            theta = self.policy.trainable_state()
+            self.old = {n: decay * self.old[n] + (1 - decay) * theta[n] for n in theta}
+        self.snapshots[version + 1] = self.old
+        for v in [v for v in self.snapshots if v <= version + 1 - self.keep_versions]:
+            del self.snapshots[v]
+
+        metrics = Learner._batch_metrics(groups, version)
+        r = torch.stack([p.r for p in points])
+        metrics.update({
+            "train/skipped_nonfinite": float(skipped),
+            "samples/trained": float(samples_trained),
+            "train/time_s": time.perf_counter() - t0,
+            "nft/r_mean": float(r.mean()),
+            "nft/old_decay": decay,
+            "nft/old_missing_frac": missing / len(points),
+        })
+        if points_trained:
+            metrics.update({
+                "loss/policy": float(loss_sum) / points_trained,
+                "loss/kl": float(kl_sum) / points_trained,
+                "nft/old_deviation": float(deviation_sum) / points_trained,  # mean (v_theta - v_old)^2
+                "train/grad_norm": sum(grad_norms) / len(grad_norms),
+            })
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state_dict(self) -> dict:
+        """A CPU snapshot: trained weights, optimizer, the old copy and the decay clock. Per-version
+        snapshots are not kept: after a resume the rollouts regenerate from the published old copy."""
+        return _cpu_copy({
+            "trainable": self.policy.trainable_state(),
+            "optimizer": self.optimizer.state_dict(),
+            "old": self.old,
+            "updates": self.updates,
+        })
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy.load_trainable_state(state["trainable"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        device = self.policy.device
+        self.old = {n: t.to(device) for n, t in state["old"].items()}
+        self.updates = state["updates"]
+        self.snapshots = {}

@@ -1,0 +1,118 @@
+"""Graceful stop on SIGTERM / SIGINT (what a scheduler, `ray job stop` and Ctrl-C send).
+
+The first signal asks the driver to stop at the next safe point: between two trainer steps, or at
+once while it only waits for rollouts (a batch being generated is regenerated after resume). It
+never interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in
+the trainer actor and a checkpoint labelled step N would hold N+1 updates. The driver then saves
+a checkpoint, prints one line and exits 128 + signal (143 for SIGTERM, 130 for SIGINT).
+
+A second signal abandons at once, without a checkpoint: the previous one stays the latest.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequested(BaseException):
+    """Raised on the driver's main thread to leave the loop. A BaseException, like KeyboardInterrupt,
+    so that no `except Exception` on the way swallows it."""
+
+    def __init__(self, signum: int, force: bool = False):
+        super().__init__(f"stop requested by {signal.Signals(signum).name}")
+        self.signum, self.force = signum, force
+
+
+class Stopped(Exception):
+    """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists."""
+
+    def __init__(self, signum: int, step: int, saved: bool):
+        super().__init__(f"stopped at step {step}")
+        self.signum, self.step, self.saved = signum, step, saved
+        self.exit_code = 128 + signum
+
+
+class GracefulStop:
+    """Signal handling for the driver. Plain class: `request()` does what a signal does."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._abandonable = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> "GracefulStop":
+        """Take over SIGTERM and SIGINT (main thread only; elsewhere, e.g. under a test runner's
+        worker thread, signals are left alone). Ray's ray.init() installs its own SIGTERM handler,
+        so call this after it."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                self._previous.setdefault(sig, signal.getsignal(sig))
+                signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame) -> None:
+        self.request(signum)
+
+    def request(self, signum: int) -> None:
+        if self.signum is not None:
+            raise StopRequested(self.signum, force=True)  # asked twice: leave now
+        self.signum = signum
+        if self._abandonable:
+            raise StopRequested(signum)
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def check(self) -> None:
+        """At a safe point: leave the loop if a stop was asked for."""
+        if self.signum is not None:
+            raise StopRequested(self.signum)
+
+    @contextmanager
+    def abandonable(self) -> Iterator[None]:
+        """A stretch the driver may leave at once on a signal (it only waits for rollouts)."""
+        self.check()
+        self._abandonable += 1
+        try:
+            yield
+        finally:
+            self._abandonable -= 1
+
+
+class Diverged(RuntimeError):
+    """Every update of too many steps in a row was non-finite."""
+
+
+class NonFiniteGuard:
+    """Counts steps with non-finite (skipped) updates. The trainer skips a NaN/inf update, which
+    would poison the weights for good; a run where *every* update is skipped step after step (e.g.
+    trainer.lr far too high) only burns GPU time, so after `limit` such steps in a row it stops."""
+
+    def __init__(self, limit: int, steps: int = 0):
+        self.limit = limit
+        self.steps = steps  # steps with at least one skipped update (checkpointed)
+        self.in_a_row = 0  # consecutive steps in which every update was skipped
+
+    def update(self, step: int, skipped: int, updates: int) -> str | None:
+        """After a step with `skipped` of `updates` updates skipped: a warning line (or None);
+        raises Diverged at the limit."""
+        self.in_a_row = self.in_a_row + 1 if skipped >= updates else 0
+        if not skipped:
+            return None
+        self.steps += 1
+        if self.in_a_row >= self.limit:
+            raise Diverged(f"training diverged: every update of the last {self.in_a_row} steps (to step {step}) was "
+                           f"non-finite (trainer.max_nonfinite_steps={self.limit})")
+        return (f"step {step}: {skipped} of {updates} updates skipped (non-finite loss or gradient); "
+                f"{self.in_a_row} step(s) in a row with nothing trained (limit {self.limit})")

@@ -1,0 +1,66 @@
+"""GracefulStop without Ray or real signals (request() is what the handler does)."""
+
+import os
+import signal
+
+import pytest
+
+from async_flowgrpo.stop import GracefulStop, Stopped, StopRequested
+
+
+def test_first_signal_only_asks_outside_abandonable_stretches():
+    stop = GracefulStop()
+    stop.request(signal.SIGTERM)  # e.g. during a trainer update: nothing raised there
+    assert stop.requested
+    with pytest.raises(StopRequested) as err:
+        stop.check()  # the next safe point leaves
+    assert err.value.signum == signal.SIGTERM and not err.value.force
+
+
+def test_a_signal_while_waiting_for_rollouts_leaves_at_once():
+    stop = GracefulStop()
+    with pytest.raises(StopRequested):
+        with stop.abandonable():
+            stop.request(signal.SIGINT)
+            pytest.fail("not reached")
+
+
+def test_a_second_signal_forces():
+    stop = GracefulStop()
+    stop.request(signal.SIGINT)
+    with pytest.raises(StopRequested) as err:
+        stop.request(signal.SIGINT)
+    assert err.value.force
+
+
+def test_exit_codes_follow_the_shell_convention():
+    assert Stopped(signal.SIGTERM, 3, True).exit_code == 143
+    assert Stopped(signal.SIGINT, 3, True).exit_code == 130
+
+
+def test_install_handles_a_real_signal_and_uninstall_restores():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = GracefulStop().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread's handler
+        assert stop.requested and stop.signum == signal.SIGTERM
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_nonfinite_steps_are_counted_warned_and_stop_the_run_after_k_in_a_row():
+    from async_flowgrpo.stop import Diverged, NonFiniteGuard
+
+    guard = NonFiniteGuard(limit=3)
+    assert guard.update(1, 0, 2) is None
+    assert "1 of 2 updates skipped" in guard.update(2, 1, 2)  # partly skipped: warned, not "in a row"
+    assert guard.in_a_row == 0 and guard.steps == 1
+    assert "1 step(s) in a row" in guard.update(3, 2, 2)
+    assert "2 step(s) in a row" in guard.update(4, 2, 2)
+    guard.update(5, 0, 2)  # a good step resets the run of bad ones
+    guard.update(6, 2, 2)
+    guard.update(7, 2, 2)
+    with pytest.raises(Diverged, match=r"last 3 steps \(to step 8\).*max_nonfinite_steps=3"):
+        guard.update(8, 2, 2)
+    assert guard.steps == 6
