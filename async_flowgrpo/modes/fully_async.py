@@ -21,9 +21,11 @@ def run(cfg: Config) -> dict:
     with Pipeline(cfg) as p:
         queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
         p.checkpoint_extra = lambda: {"queue": ray.get(queue.state_dict.remote(), timeout=60)}
+        # the queue's first call waits for its worker process to start: as long as the other actors may
+        ray.get(queue.set_version.remote(p.version), timeout=600)
         if "queue" in p.resumed_state:
             ray.get(queue.load_state_dict.remote(p.resumed_state["queue"]), timeout=60)
-        ray.get(queue.set_version.remote(p.version), timeout=60)
+            ray.get(queue.set_version.remote(p.version), timeout=60)
         loops = [rollout.run.remote(queue) for rollout in p.rollouts]
         try:
             p.evaluate_at_start()

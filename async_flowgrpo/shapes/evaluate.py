@@ -79,6 +79,14 @@ def evaluate(pipe, rows: list[dict], per_prompt: int = 4, steps: int = 20, cfg: 
     return summary, images, result
 
 
+def position_given_objects(result: dict, rows: list[dict], per_prompt: int) -> float:
+    """Among position-prompt images whose two objects are both drawn right (colour, shape, count),
+    the fraction whose relation is right; 0.5 is chance."""
+    kinds = torch.tensor([r["kind"] == "position" for r in rows for _ in range(per_prompt)])
+    both = kinds & result["color_ok"].bool() & result["shape_ok"].bool() & result["count_ok"].bool()
+    return result["position_ok"][both].float().mean().item() if both.any() else float("nan")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -94,12 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     pipe = load_pipeline(args.model)
     rows = read_jsonl(args.prompts)
-    summary, images, _ = evaluate(pipe, rows, args.per_prompt, args.steps, args.cfg, args.seed)
+    summary, images, result = evaluate(pipe, rows, args.per_prompt, args.steps, args.cfg, args.seed)
     for kind, s in summary.items():
         print(f"{kind:9s} " + " ".join(f"{k} {v:.3f}" for k, v in s.items()))
+    # the relation words' test: position right among images whose two objects are both drawn right
+    relation = position_given_objects(result, rows, args.per_prompt)
+    print(f"position right given both objects right: {relation:.3f} (chance 0.5)")
     print(json.dumps({"model": args.model, "prompts": args.prompts, "per_prompt": args.per_prompt,
                       "steps": args.steps, "cfg": args.cfg, "seed": args.seed, "n_images": len(images),
-                      "seconds": round(time.time() - t0, 1), **summary["all"]}))
+                      "seconds": round(time.time() - t0, 1), **summary["all"],
+                      "count_prompts_joint_acc": summary.get("count", {}).get("joint_acc"),
+                      "position_given_objects": relation}))
     if args.grid:
         # one sample for each of 16 prompts spread over the prompt set (all kinds)
         idx = np.linspace(0, len(rows) - 1, 16).round().astype(int) * args.per_prompt

@@ -14,18 +14,16 @@ Stages (all on CPU; one torch thread by default):
 
 Reproducibility: everything is seeded and, by default (--minutes 0), each stage runs a fixed
 number of steps (--vae-steps, --steps), so a rerun with the same --threads gives the same weights.
-The shipped model was made with `--threads 2 --steps 5500 --minutes 11` on an otherwise idle
-2-core machine: 10.8 minutes, the cap stopping the transformer at 4990 steps (its learning rate
-followed the clock). `--threads 2 --vae-steps 1500 --steps 4990` (no cap) trains the same number
-of steps on the step schedule: nearly the same model, not bit-identical. The log prints CPU
-seconds, which mean more than wall time on a shared machine. --minutes M adds a wall-clock cap
-(stages split 20/75): the learning-rate schedule then follows whichever of steps or time is further
-along, so a slow machine still ends with an annealed model, and the log states the steps actually
-run (rerun with `--minutes 0 --vae-steps A --steps B` for the same steps on the step schedule).
+The shipped model was made with `--minutes 0 --vae-steps 1500 --steps 12000 --threads 1`
+(54 CPU-minutes). The log prints CPU seconds, which mean more than wall time on a shared machine.
+--minutes M adds a wall-clock cap (stages split 20/75): the learning-rate schedule then follows
+whichever of steps or time is further along, so `--minutes M` alone adds no steps (pass a large
+--steps to let the clock decide), and the log states the steps actually run.
 
 Resuming: the run saves its state (weights, EMA, optimizer, random streams) to OUT.state.pt every
---save-every transformer steps; rerunning the same command continues from it (with --minutes 0 the
-result equals an uninterrupted run's). Every --eval-every steps it logs the gate on held-out prompts
+--save-every transformer steps; rerunning the same command continues from it on the same step
+schedule (bit-equality with an uninterrupted run is intended but not tested). Every --eval-every
+steps it logs the gate on held-out prompts
 (EMA weights, 2 samples each): all checks right, count prompts right, and position right given both
 objects right, which is what tells whether the relation words are followed (the loss does not).
 
@@ -161,19 +159,11 @@ def load_state(path: str) -> dict | None:
 def gate(pipe, rows: list[dict], per_prompt: int = 2) -> dict[str, float]:
     """The base-model gate on held-out prompts, cheaply (2 samples each): all checks right, count
     prompts right, and position right given both objects right (the relation words' test)."""
-    from .evaluate import evaluate
+    from .evaluate import evaluate, position_given_objects
 
     summary, _, result = evaluate(pipe, rows, per_prompt=per_prompt)
     return {"all": summary["all"]["joint_acc"], "count": summary.get("count", {}).get("joint_acc", float("nan")),
             "position_given_objects": position_given_objects(result, rows, per_prompt)}
-
-
-def position_given_objects(result: dict, rows: list[dict], per_prompt: int) -> float:
-    """Among position-prompt images whose two objects are both drawn right (colour, shape, count),
-    the fraction whose relation is right; 0.5 is chance."""
-    kinds = torch.tensor([r["kind"] == "position" for r in rows for _ in range(per_prompt)])
-    both = kinds & result["color_ok"].bool() & result["shape_ok"].bool() & result["count_ok"].bool()
-    return result["position_ok"][both].float().mean().item() if both.any() else float("nan")
 
 
 def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, gen, state_path: str = "",
