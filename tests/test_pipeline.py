@@ -322,6 +322,8 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
 def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """Full fine-tuning sharded over 2 trainers (FSDP2) gives the update of 1 unsharded trainer; the
     gathered weights reach the rollout actor (digest-verified), evaluate, and resume exactly."""
+    from async_flowgrpo import checkpoint as checkpoint_io
+
     common = ("model.lora_rank=0", "trainer.lr=1e-3", "eval.samples_per_prompt=1")
     layouts = {"replicated": ("trainer.num_workers=1",), "fsdp": ("trainer.num_workers=2", "trainer.fsdp=true")}
     weights, checkpoint = {}, None
@@ -335,7 +337,7 @@ def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_mode
             assert 0.0 <= metrics["eval/reward"] <= 1.0 and metrics["eval/time_s"] > 0
             p.step = 1
             checkpoint = p.save_checkpoint()
-            weights[name] = torch.load(os.path.join(checkpoint, "state.pt"), weights_only=False)["learner"]["trainable"]
+            weights[name] = checkpoint_io.load(checkpoint)["learner"]["trainable"]
             digest = p.on_trainers("weights_digest")
         finally:
             p.shutdown()
