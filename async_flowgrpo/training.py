@@ -52,15 +52,14 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
         compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+    # what both learners take: the optimizer, batching and the data-parallel reduce
+    shared = dict(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, adv_clip=a.adv_clip,
+                  beta=a.beta, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
+                  grad_all_reduce=grad_all_reduce)
     if a.name == "diffusion_nft":
         return NFTLearner(
             policy,
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            max_grad_norm=t.max_grad_norm,
             nft_beta=a.nft_beta,
-            adv_clip=a.adv_clip,
-            beta=a.beta,
             timestep_fraction=a.nft_timestep_fraction,
             decay_start=a.nft_decay_start,
             decay_rate=a.nft_decay_rate,
@@ -68,24 +67,15 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
             # a group is at most max_staleness versions old when admitted and trained up to
             # sync.every - 1 updates after a publication
             keep_versions=a.max_staleness + cfg.sync.every + 1,
-            micro_batch_size=t.micro_batch_size,
-            mini_batches=t.mini_batches,
-            grad_all_reduce=grad_all_reduce,
+            **shared,
         )
     return Learner(
         policy,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        max_grad_norm=t.max_grad_norm,
         clip_range=a.clip_range,
-        adv_clip=a.adv_clip,
         is_cap=a.is_cap,
-        beta=a.beta,
         prox_mode=a.prox_mode,
-        micro_batch_size=t.micro_batch_size,
-        mini_batches=t.mini_batches,
         uncond_grad=a.uncond_grad,
-        grad_all_reduce=grad_all_reduce,
+        **shared,
     )
 
 
