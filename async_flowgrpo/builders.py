@@ -1,11 +1,17 @@
 """Config -> components: the one place that maps configuration onto the typed components
-(policy, engine), which themselves know nothing of config files or Ray."""
+(policy, learner, engine), which themselves know nothing of config files or Ray."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from async_flowgrpo.config import Config, resolve_model_path
+
+if TYPE_CHECKING:
+    from async_flowgrpo.learner import Learner
+    from async_flowgrpo.nft_learner import NFTLearner
 
 
 def set_cpu_threads(cpus: float) -> None:
@@ -48,3 +54,45 @@ def build_engine(cfg: Config, update_point: str):
     from async_flowgrpo.rollout.engine import DiffusersEngine
 
     return DiffusersEngine(build_policy(cfg), update_point=update_point)
+
+
+def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
+    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
+    from async_flowgrpo import fsdp
+    from async_flowgrpo.learner import Learner
+    from async_flowgrpo.nft_learner import NFTLearner
+    from async_flowgrpo.policy import default_dtype
+
+    a, t = cfg.algorithm, cfg.trainer
+    # sharded: fp32 master weights; FSDP casts them to the model dtype (bf16 on CUDA) to compute
+    master = {"dtype": torch.float32} if t.fsdp else {}
+    policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, **master)
+    if t.fsdp:
+        compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
+        for transformer in policy.transformers():
+            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+    # what both learners take: the optimizer, batching and the data-parallel reduce
+    shared = dict(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, adv_clip=a.adv_clip,
+                  beta=a.beta, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
+                  grad_all_reduce=grad_all_reduce)
+    if a.name == "diffusion_nft":
+        return NFTLearner(
+            policy,
+            nft_beta=a.nft_beta,
+            timestep_fraction=a.nft_timestep_fraction,
+            decay_start=a.nft_decay_start,
+            decay_rate=a.nft_decay_rate,
+            decay_max=a.nft_decay_max,
+            # a group is at most max_staleness versions old when admitted and trained up to
+            # sync.every - 1 updates after a publication
+            keep_versions=a.max_staleness + cfg.sync.every + 1,
+            **shared,
+        )
+    return Learner(
+        policy,
+        clip_range=a.clip_range,
+        is_cap=a.is_cap,
+        prox_mode=a.prox_mode,
+        uncond_grad=a.uncond_grad,
+        **shared,
+    )

@@ -49,7 +49,7 @@ from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.rewards import CombinedReward, register_reward  # noqa: E402
 from async_flowgrpo.rollout.worker import sampling_kwargs  # noqa: E402
 from async_flowgrpo.shapes.scenes import COLORS  # noqa: E402
-from async_flowgrpo.training import build_learner  # noqa: E402
+from async_flowgrpo.builders import build_learner  # noqa: E402
 
 LEFT_COLORS = ("red", "green", "blue")
 

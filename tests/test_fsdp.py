@@ -15,7 +15,7 @@ from async_flowgrpo import fsdp
 from async_flowgrpo.config import load_config
 from async_flowgrpo.evaluation import evaluate_policy
 from async_flowgrpo.prompts import resolve_prompt_path
-from async_flowgrpo.training import build_learner
+from async_flowgrpo.builders import build_learner
 
 
 def lora_config(model_dir, *extra):

@@ -9,10 +9,10 @@ import torch
 from async_flowgrpo import algo
 from async_flowgrpo.config import load_config
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
-from async_flowgrpo.nft_trainer import NFTLearner
+from async_flowgrpo.nft_learner import NFTLearner
 from async_flowgrpo.policy import DiffusionPolicy
 from async_flowgrpo.rollout.worker import sampling_kwargs
-from async_flowgrpo.training import build_learner
+from async_flowgrpo.builders import build_learner
 
 # 2 shared cores: OpenMP threads spinning against other jobs make tiny matmuls ~20x slower
 torch.set_num_threads(1)

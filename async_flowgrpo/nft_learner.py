@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from async_flowgrpo import algo
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.trainer import Learner, _cpu_copy
+from async_flowgrpo.learner import Learner, _cpu_copy
 from async_flowgrpo.types import Group
 
 
