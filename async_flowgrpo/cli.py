@@ -11,16 +11,8 @@ import shlex
 import sys
 
 from async_flowgrpo.checkpoint import Checkpointer, CheckpointError, RunDirError, RunDirLock, config_changes, decode, prepare_run_dir
-from async_flowgrpo.config import Config, ConfigError, load_config
+from async_flowgrpo.config import Config, ConfigError, config_or_exit
 from async_flowgrpo.stop import GracefulStop, Stopped, StopRequested
-
-
-def config_or_exit(mode: str, argv: list[str]) -> Config:
-    try:
-        return load_config(mode, argv)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def preflight(cfg: Config) -> RunDirLock:
@@ -92,12 +84,12 @@ def main(mode: str, argv: list[str]) -> None:
                 raise SystemExit(2) from None
 
             from async_flowgrpo.modes import run
-            from async_flowgrpo.pipeline import PipelineError
+            from async_flowgrpo.driver.cluster import RunError
 
             print(f"async_flowgrpo {mode}: model={cfg.model.path} output_dir={cfg.trainer.output_dir}", file=sys.stderr)
             try:
                 summary = run(cfg)
-            except PipelineError as e:
+            except RunError as e:
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(1) from None
         print(summary)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -147,7 +148,10 @@ class LoggingConfig:
     wandb_mode: str = "disabled"  # online | offline | disabled
     wandb_project: str = "async_flowgrpo"
     run_name: Optional[str] = None
-    progress: bool = True
+    progress: bool = True  # one progress bar on stderr: step, reward, eval accuracy, staleness, samples/s, ETA
+    # Where rollout and trainer actors print (model loading, library warnings): "file" =
+    # <output_dir>/logs/<actor>.log, keeping the console to the progress bar; "console" = Ray's default.
+    actor_output: str = "file"
 
 
 @dataclass
@@ -155,7 +159,13 @@ class RayConfig:
     address: Optional[str] = None  # None = start a local cluster; "auto" or host:port = join one
     num_cpus: Optional[int] = None  # for a local cluster; None = all cores
     num_gpus: Optional[int] = None
-    connect_timeout_s: float = 30.0
+    # Every wait on the cluster is bounded by one of these (a dead or hung actor is an error, not a hang):
+    connect_timeout_s: float = 30.0  # reach an existing cluster; place the actors
+    start_timeout_s: float = 600.0  # actors load their models; a restarted actor answers again
+    call_timeout_s: float = 60.0  # small calls: counters, queue bookkeeping, a trainer fetching its shard
+    work_timeout_s: float = 3600.0  # one generation batch, one training step, one evaluation, a checkpoint
+    poll_s: float = 1.0  # rollout actors re-check their stop flag at least this often while blocked on the queue
+    batch_wait_s: float = 5.0  # fully_async: the driver re-checks for signals and dead actors this often
 
 
 @dataclass
@@ -378,7 +388,9 @@ def validate(c: Config) -> None:
     _require(e.num_steps >= 1, "eval.num_steps", "must be >= 1")
     _require(e.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
     _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
-    _require(c.ray.connect_timeout_s > 0, "ray.connect_timeout_s", "must be > 0")
+    _choice(c.logging.actor_output, "logging.actor_output", ("file", "console"))
+    for key in ("connect_timeout_s", "start_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
+        _require(getattr(c.ray, key) > 0, f"ray.{key}", "must be > 0")
     loaded = {}
     for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):
         try:  # read now: a bad file is one line here, not a traceback from inside a Ray actor
@@ -392,3 +404,12 @@ def validate(c: Config) -> None:
         unknown = sorted(set(r.prompt_mix) - kinds)
         _require(not unknown, "rollout.prompt_mix", f"kinds {unknown} not in {r.prompts} (its kinds: {sorted(map(str, kinds))}); "
                  "rollout.prompt_mix=null samples it uniformly")
+
+
+def config_or_exit(mode: str, argv: list[str]) -> Config:
+    """load_config for an entry point: a mistake is one line on stderr and exit 2."""
+    try:
+        return load_config(mode, argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

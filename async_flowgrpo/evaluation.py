@@ -23,6 +23,7 @@ import torch.distributed as dist
 from async_flowgrpo.config import Config
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import CombinedReward
+from async_flowgrpo.sampling import eval_sampling
 
 PROMPTS_PER_CALL = 16
 
@@ -36,7 +37,8 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
     of the time. Every rank makes the same number of generate calls, since each forward pass
     all-gathers the sharded blocks; the others return None.
     """
-    e, r = cfg.eval, cfg.rollout
+    e = cfg.eval
+    sampling = eval_sampling(cfg)
     start_time = time.perf_counter()
     prompts = load_prompts(e.prompts)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
@@ -49,14 +51,8 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
         groups = policy.generate(
             [p.text for p in chunk],
             e.samples_per_prompt,
-            num_steps=e.num_steps,
-            guidance_scale=e.guidance_scale,
-            noise_level=r.noise_level,
-            sde_type=r.sde_type,
-            window_size=0,  # pure ODE
             seed=e.seed + start,  # fixed: the same noise at every evaluation, whichever rank draws it
-            height=r.resolution or None,
-            width=r.resolution or None,
+            **sampling,
             metadata=[p.metadata for p in chunk],
         )
         if call >= len(mine):
@@ -95,7 +91,7 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
 
 
 def main(argv: list[str]) -> None:
-    from async_flowgrpo.cli import config_or_exit
+    from async_flowgrpo.config import config_or_exit
     from async_flowgrpo.builders import build_policy
 
     cfg = config_or_exit("fully_async", argv)

@@ -8,8 +8,8 @@ One `RunLogger` lives in the driver. It owns the run's output directory (DESIGN 
     <output_dir>/checkpoints/    written by the trainer, created here so it always exists
     <output_dir>/summary.json    the end-of-run summary
 
-Also here: `reduce_metrics` (combine per-trainer-rank dicts), `make_grid`, and `Timer` /
-`BusyTracker` (wall-clock stopwatches the actors use for perf/*_idle_frac).
+Also here: `reduce_metrics` (combine per-trainer-rank dicts), `make_grid`, and `BusyTracker`
+(the busy/idle stopwatch the actors use for perf/*_idle_frac).
 """
 
 from __future__ import annotations
@@ -109,22 +109,6 @@ def _json_value(v: Any) -> Any:
 # --------------------------------------------------------------------------------------------
 # Stopwatches
 # --------------------------------------------------------------------------------------------
-
-
-class Timer:
-    """`with Timer() as t: ...` then `t.elapsed` (seconds, monotonic clock)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.start = 0.0
-        self.elapsed = 0.0
-
-    def __enter__(self) -> "Timer":
-        self.start = self._clock()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.elapsed = self._clock() - self.start
 
 
 class BusyTracker:

@@ -8,6 +8,7 @@ be pickled through Ray's object store and trained on any trainer actor.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -74,3 +75,34 @@ class Group:
 
     def staleness(self, current_version: int) -> int:
         return current_version - self.min_version
+
+
+@dataclass
+class GroupRecord:
+    """What the driver and the queue see of a group: its rewards and bookkeeping, a few hundred
+    bytes. The group itself (latents, embeddings, images: megabytes at real sizes) stays in Ray's
+    object store under `ref` until a trainer fetches it, so the driver handles O(rewards) per step.
+    """
+
+    prompt: str
+    prompt_index: int
+    size: int
+    min_version: int
+    rewards: torch.Tensor  # [n] combined reward
+    reward_components: dict[str, torch.Tensor]  # name -> [n]
+    worker_id: int = 0
+    ref: Any = None  # ray.ObjectRef of the Group (batch modes: kept beside the record by the driver)
+
+    @classmethod
+    def of(cls, group: Group, ref: Any = None) -> "GroupRecord":
+        return cls(group.prompt, group.prompt_index, group.size, group.min_version, group.rewards,
+                   dict(group.reward_components), group.worker_id, ref)
+
+    def staleness(self, current_version: int) -> int:
+        return current_version - self.min_version
+
+    @property
+    def nbytes(self) -> int:
+        """The payload the driver receives for this group (tensors and prompt; the ref is a few bytes)."""
+        tensors = [self.rewards, *self.reward_components.values()]
+        return sum(t.numel() * t.element_size() for t in tensors) + len(self.prompt.encode())

@@ -47,7 +47,7 @@ from async_flowgrpo import algo  # noqa: E402
 from async_flowgrpo.evaluation import evaluate_policy  # noqa: E402
 from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.rewards import CombinedReward, register_reward  # noqa: E402
-from async_flowgrpo.rollout.worker import sampling_kwargs  # noqa: E402
+from async_flowgrpo.sampling import rollout_sampling  # noqa: E402
 from async_flowgrpo.shapes.scenes import COLORS  # noqa: E402
 from async_flowgrpo.builders import build_learner  # noqa: E402
 
@@ -157,7 +157,7 @@ def run(args, cfg, probe_path: str) -> dict:
 
     learner = build_learner(cfg)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
-    sampling = sampling_kwargs(r)
+    sampling = rollout_sampling(r)
     log(f"rl_probe {args.name}: {a.name}, reward {args.reward} {cfg.reward.options}, kinds {weights}, "
         f"{r.groups_per_step} x {r.group_size} samples a step, lr {cfg.trainer.lr}, lora_rank {cfg.model.lora_rank}, "
         f"window {sampling['window_size']} in {sampling['window_range']}, shared noise {r.shared_initial_noise}, "

@@ -4,9 +4,9 @@ resources in one invocation, against the ideal pipelined bound.
 
 Phases (one local Ray cluster for all of them):
 
-1. Capacity, each side measured alone, on one Pipeline (1 rollout + 1 trainer actor):
-   rollout capacity = batches generated back to back (``generate_batch_async`` + ``collect``)
-   while the trainer idles; train capacity = ``Pipeline.train`` repeated on one fixed
+1. Capacity, each side measured alone, on one Run (1 rollout + 1 trainer actor):
+   rollout capacity = batches generated back to back (``Run.batches.start`` + ``collect``)
+   while the trainer idles; train capacity = ``Run.train`` repeated on one fixed
    pre-generated batch (advantages recomputed each call) while the rollout actor idles; also the
    cost of one weight publication. The ideal pipelined bound is min(rollout, train capacity);
    the ideal *sequential* rate (what sync can reach) is 1 / (1/rollout + 1/train).
@@ -117,23 +117,24 @@ def given(overrides: list[str], key: str) -> bool:
 
 # -- phase 1: capacities -------------------------------------------------------------------------
 def measure_capacity(overrides: list[str], output_dir: str, batches: int) -> dict:
-    """Rollout alone, then training alone, then weight publication, on one Pipeline."""
+    """Rollout alone, then training alone, then weight publication, on one Run."""
     import torch
 
-    from async_flowgrpo.pipeline import Pipeline
+    from async_flowgrpo.driver.run import Run
 
     cfg = common.load_mode_config("sync", overrides + [f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
-    p = Pipeline(cfg)
+    p = Run(cfg)
+    gps = cfg.rollout.groups_per_step
     startup = time.perf_counter() - t0
     cpu = common.CpuMonitor()
     try:
-        groups = p.collect(p.generate_batch_async())  # warm-up (first-call allocations, caches)
+        groups = p.batches.collect(p.batches.start(gps))  # warm-up (first-call allocations, caches)
         rollout_s = []
         a = cpu.snapshot()
         for _ in range(batches):
             t = time.perf_counter()
-            groups = p.collect(p.generate_batch_async())
+            groups = p.batches.collect(p.batches.start(gps))
             rollout_s.append(time.perf_counter() - t)
         cpu_rollout = cpu.cores(a, cpu.snapshot())
         samples = sum(g.size for g in groups)
@@ -141,8 +142,6 @@ def measure_capacity(overrides: list[str], output_dir: str, batches: int) -> dic
         train_s, learner_s = [], []
         a = cpu.snapshot()
         for _ in range(batches):
-            for g in groups:  # a fixed batch; advantages are recomputed by train() every call
-                g.advantages = None
             t = time.perf_counter()
             m = p.train(groups)
             train_s.append(time.perf_counter() - t)

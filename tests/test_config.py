@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from async_flowgrpo.cli import config_or_exit
+from async_flowgrpo.config import config_or_exit
 from async_flowgrpo.config import ConfigError, load_config, to_yaml
 
 

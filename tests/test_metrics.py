@@ -17,7 +17,7 @@ from PIL import Image
 from async_flowgrpo import gpu_monitor
 from async_flowgrpo.config import load_config
 from async_flowgrpo.gpu_monitor import GpuMonitor
-from async_flowgrpo.metrics import BusyTracker, RunLogger, Timer, make_grid, reduce_metrics, reduction_for
+from async_flowgrpo.metrics import BusyTracker, RunLogger, make_grid, reduce_metrics, reduction_for
 
 
 @pytest.fixture(scope="module")
@@ -259,13 +259,6 @@ def test_busy_tracker_fractions_and_windows():
     clock.t += 3
     assert tracker.idle_frac() == pytest.approx(0.75)
     assert tracker.idle_frac() == 0.0  # an empty window reads 0
-
-
-def test_timer():
-    clock = FakeClock()
-    with Timer(clock=clock) as t:
-        clock.t += 2.5
-    assert t.elapsed == 2.5
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def clip_dir(tmp_path_factory):
     tok.save_pretrained(path)
     CLIPImageProcessor(size={"shortest_edge": 24}, crop_size={"height": 24, "width": 24}).save_pretrained(path)
     yield str(path)
-    clip_mod.clear_cache()
+    aesthetic_mod.clear_cache()
 
 
 @pytest.fixture(autouse=True)

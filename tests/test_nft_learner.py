@@ -11,7 +11,7 @@ from async_flowgrpo.config import load_config
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.nft_learner import NFTLearner
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.rollout.worker import sampling_kwargs
+from async_flowgrpo.sampling import rollout_sampling
 from async_flowgrpo.builders import build_learner
 
 # 2 shared cores: OpenMP threads spinning against other jobs make tiny matmuls ~20x slower
@@ -138,7 +138,7 @@ def test_state_dict_round_trip_and_flow_grpo_groups_rejected(model_dir):
 def test_config_selects_nft_in_every_mode(model_dir):
     for mode in ("sync", "one_step_off", "fully_async"):
         cfg = load_config(mode, [f"model.path={model_dir}", "algorithm.name=diffusion_nft", "model.lora_rank=4"])
-        assert sampling_kwargs(cfg.rollout)["window_size"] == 0 and cfg.rollout.guidance_scale == 1.0
+        assert rollout_sampling(cfg.rollout)["window_size"] == 0 and cfg.rollout.guidance_scale == 1.0
     learner = build_learner(cfg)
     assert isinstance(learner, NFTLearner) and learner.keep_versions == 3
     assert learner.nft_beta == cfg.algorithm.nft_beta

@@ -1,13 +1,17 @@
 """Trainer actors: data-parallel Learners plus, on rank 0, the weight sender and evaluation.
 
-`TrainerActor` is a thin Ray shell around `trainer.Learner`. Trainers form their own process group
+`TrainerActor` is a thin Ray shell around `learner.Learner` (or `nft_learner.NFTLearner`). Trainers form their own process group
 (gloo on CPU, NCCL on CUDA) for the gradient all-reduce; the weight-sync group with the rollout
 actors is a separate one (async_flowgrpo.sync), so the two never interfere.
 
 Two data-parallel layouts (trainer.fsdp): replicated weights with one flat gradient all-reduce, or
 the transformer sharded with FSDP2 (async_flowgrpo.fsdp). Sharded, the calls that need whole
 weights (push, evaluate, digest, checkpoint) are collective: the driver calls them on every rank
-(`Pipeline.on_trainers`) and rank 0 answers.
+(`driver.cluster.Cluster.on_trainers`) and rank 0 answers.
+
+Trajectories arrive by reference: `train_step` gets the object refs of its shard's groups and
+the advantages the driver computed from their rewards, and fetches the groups from Ray's object
+store itself, so latents never pass through the driver.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import ray
 import torch
 import torch.distributed as dist
 
+from async_flowgrpo import fsdp
+from async_flowgrpo.actors import quiet_actor_output
+from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
-from async_flowgrpo import fsdp
-from async_flowgrpo.builders import build_learner, set_cpu_threads
-from async_flowgrpo.types import Group
+from async_flowgrpo.metrics import BusyTracker
 
 
 def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
@@ -42,6 +47,7 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
 @ray.remote
 class TrainerActor:
     def __init__(self, cfg: Config, rank: int, world_size: int, dp_address: tuple[str, int], transport):
+        quiet_actor_output(cfg.trainer.output_dir, f"trainer-{rank}", cfg.logging.actor_output == "file")
         set_cpu_threads(cfg.trainer.cpus_per_worker)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.sharded = cfg.trainer.fsdp
@@ -54,24 +60,53 @@ class TrainerActor:
         self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
-        self._busy = 0.0
-        self._window_start = time.perf_counter()
+        self.busy = BusyTracker()  # perf/trainer_idle_frac
+        self.samples: tuple[torch.Tensor, list[str]] | None = None  # the last batch's first images, on rank 0
 
     def ready(self) -> bool:
         return True
 
     # -- training ----------------------------------------------------------------------------
-    def train_step(self, groups: list[Group], version: int) -> dict[str, float]:
-        start = time.perf_counter()
-        metrics = self.learner.train_step(groups, version)
-        self._busy += time.perf_counter() - start
-        return {**metrics, **self.gpu.read()}
+    def train_step(self, shard: list[tuple[list, torch.Tensor]], version: int) -> dict[str, float]:
+        """shard: ([object ref of a Group], its advantages) per group; the refs are wrapped in a list
+        so that Ray hands them over unresolved and this actor fetches them."""
+        with self.busy.busy():
+            start = time.perf_counter()
+            groups, lost = self._fetch(shard)
+            fetch_s = time.perf_counter() - start
+            metrics = self.learner.train_step(groups, version) if groups else {}
+        if self.rank == 0 and groups:
+            self.samples = (torch.cat([g.images for g in groups])[:32], [g.prompt for g in groups for _ in range(g.size)][:32])
+        return {**metrics, "perf/trainer_fetch_s": fetch_s, "samples/lost": lost, **self.gpu.read()}
+
+    def _fetch(self, shard: list[tuple[list, torch.Tensor]]) -> tuple[list, int]:
+        """The shard's groups with their advantages set, and the number of samples lost: in
+        fully_async a group lives in its rollout actor's object store until trained, and dies with it."""
+        timeout = self.cfg.ray.call_timeout_s
+        try:
+            groups = ray.get([ref[0] for ref, _ in shard], timeout=timeout)
+        except ray.exceptions.ObjectLostError:
+            groups = []
+            for ref, _ in shard:
+                try:
+                    groups.append(ray.get(ref[0], timeout=timeout))
+                except ray.exceptions.ObjectLostError:
+                    groups.append(None)
+        kept, lost = [], 0
+        for group, (_, advantages) in zip(groups, shard):
+            if group is None:
+                lost += advantages.numel()
+                continue
+            group.advantages = advantages
+            kept.append(group)
+        return kept, lost
+
+    def sample_images(self) -> tuple[torch.Tensor, list[str]] | None:
+        """Rank 0: the first images of the last trained batch and their prompts (run outputs)."""
+        return self.samples
 
     def idle_fraction(self) -> float:
-        now = time.perf_counter()
-        frac = 1.0 - min(self._busy / max(now - self._window_start, 1e-9), 1.0)
-        self._busy, self._window_start = 0.0, now
-        return frac
+        return self.busy.idle_frac()
 
     # -- whole weights: rank 0's, gathered from every rank when sharded -------------------------
     def _trainable_state(self, sampling: bool = False) -> dict[str, torch.Tensor]:
@@ -87,11 +122,9 @@ class TrainerActor:
         self.sender.connect(address, world_size)
 
     def push(self, version: int):
-        start = time.perf_counter()
-        state = self._trainable_state(sampling=True)
-        result = self.sender.send(state, version) if self.rank == 0 else None
-        self._busy += time.perf_counter() - start
-        return result
+        with self.busy.busy():
+            state = self._trainable_state(sampling=True)
+            return self.sender.send(state, version) if self.rank == 0 else None
 
     def weights_digest(self) -> str | None:
         """The published (sampling) weights: every replicated rank hashes its own copy; sharded, rank 0

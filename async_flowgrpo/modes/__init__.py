@@ -1,15 +1,13 @@
-"""One short driver per schedule. Each reads top to bottom: when to generate, train and publish."""
+"""One short loop per schedule, each in its own file `modes/<name>.py` with a `run(cfg)`: when to
+generate, train and publish. A new mode is that file, its name in `config.MODES` and its defaults
+in `config/<name>.yaml`."""
 
 from __future__ import annotations
+
+import importlib
 
 from async_flowgrpo.config import Config
 
 
 def run(cfg: Config) -> dict:
-    if cfg.mode == "sync":
-        from async_flowgrpo.modes.sync import run as run_mode
-    elif cfg.mode == "one_step_off":
-        from async_flowgrpo.modes.one_step_off import run as run_mode
-    else:
-        from async_flowgrpo.modes.fully_async import run as run_mode
-    return run_mode(cfg)
+    return importlib.import_module(f"async_flowgrpo.modes.{cfg.mode}").run(cfg)

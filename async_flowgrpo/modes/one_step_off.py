@@ -9,26 +9,23 @@ in verl's one-step-off trainer; for LoRA it costs milliseconds.
 from __future__ import annotations
 
 from async_flowgrpo.config import Config
-from async_flowgrpo.pipeline import Pipeline
+from async_flowgrpo.driver.run import Run
 
 
 def run(cfg: Config) -> dict:
-    with Pipeline(cfg) as p:
-        p.evaluate_at_start()
-        pending = p.generate_batch_async()
-        while p.step < cfg.trainer.total_steps:
-            p.stop.check()  # SIGTERM/SIGINT: stop here, between two steps (the batch in flight is regenerated on resume)
-            groups = p.collect(pending)
-            sync = p.publish_weights()
-            last = p.step + 1 >= cfg.trainer.total_steps
-            pending = None if last else p.generate_batch_async()  # overlaps with the training below
-            metrics = p.train(groups)
+    gps = cfg.rollout.groups_per_step
+    with Run(cfg) as run:
+        run.evaluate_at_start()
+        pending = run.batches.start(gps)
+        while run.step < cfg.trainer.total_steps:
+            run.stop.check()  # SIGTERM/SIGINT: stop here, between two steps (the batch in flight is regenerated on resume)
+            records = run.batches.collect(pending)
+            sync = run.publish_weights()
+            last = run.step + 1 >= cfg.trainer.total_steps
+            pending = None if last else run.batches.start(gps)  # overlaps with the training below
+            metrics = run.train(records)
             if metrics is None:  # every group of the batch was skipped: the step is not done yet
-                pending = pending or p.generate_batch_async()
+                pending = pending or run.batches.start(gps)
                 continue
-            p.maybe_save_samples(groups)
-            eval_metrics = p.maybe_evaluate(force=last)
-            p.log.log(p.step, p.step_metrics(metrics, {**sync, **eval_metrics}))
-            if p.checkpoint_due() or last:
-                p.save_checkpoint()  # the batch in flight is not in it: a resumed run regenerates it
-        return p.log.summary({})
+            run.end_step(metrics, sync)  # a checkpoint leaves out the batch in flight: a resumed run regenerates it
+        return run.log.summary({})

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 from async_flowgrpo.config import Config
-from async_flowgrpo.pipeline import Pipeline
+from async_flowgrpo.driver.run import Run
 
 
 def run(cfg: Config) -> dict:
-    with Pipeline(cfg) as p:
-        p.evaluate_at_start()
-        while p.step < cfg.trainer.total_steps:
-            p.stop.check()  # SIGTERM/SIGINT: stop here, between two steps
-            groups = p.collect(p.generate_batch_async())  # rollout ...
-            metrics = p.train(groups)  # ... then train (rollout actors idle meanwhile)
+    with Run(cfg) as run:
+        run.evaluate_at_start()
+        while run.step < cfg.trainer.total_steps:
+            run.stop.check()  # SIGTERM/SIGINT: stop here, between two steps
+            records = run.batches.collect(run.batches.start(cfg.rollout.groups_per_step))  # rollout ...
+            metrics = run.train(records)  # ... then train (rollout actors idle meanwhile)
             if metrics is None:  # every group of the batch was skipped
                 continue
-            sync = p.publish_weights()
-            p.maybe_save_samples(groups)
-            last = p.step >= cfg.trainer.total_steps
-            eval_metrics = p.maybe_evaluate(force=last)
-            p.log.log(p.step, p.step_metrics(metrics, {**sync, **eval_metrics}))
-            if p.checkpoint_due() or last:
-                p.save_checkpoint()
-        return p.log.summary({})
+            sync = run.publish_weights()
+            run.end_step(metrics, sync)
+        return run.log.summary({})

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from async_flowgrpo.rewards.clip_score import clear_cache as clear_clip_cache
 from async_flowgrpo.rewards.clip_score import _check_inputs, _first_line, default_device, load_clip_encoder, resolve_local_path
 
 ENV_PREDICTOR = "ASYNC_FLOWGRPO_AESTHETIC_PATH"
@@ -79,9 +80,11 @@ def load_predictor(path: str, device: Optional[str] = None) -> AestheticMLP:
     return mlp
 
 
-def clear_predictor_cache() -> None:
+def clear_cache() -> None:
+    """Drop every cached predictor and CLIP encoder in this process (tests; freeing GPU memory)."""
     with _LOCK:
         _PREDICTORS.clear()
+    clear_clip_cache()
 
 
 @torch.no_grad()

@@ -197,12 +197,9 @@ def load_clip_encoder(
 
 
 def clear_cache() -> None:
-    """Drop every cached model in this process (tests; freeing GPU memory)."""
-    from async_flowgrpo.rewards import aesthetic
-
+    """Drop every cached CLIP encoder in this process (tests; freeing GPU memory)."""
     with _LOCK:
         _CACHE.clear()
-    aesthetic.clear_predictor_cache()
 
 
 def _check_inputs(reward: str, images: torch.Tensor, prompts: list) -> None:

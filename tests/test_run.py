@@ -1,4 +1,4 @@
-"""The Ray pipeline end to end on 2 cores: sync, one_step_off and fully_async with a tiny model.
+"""The modes end to end on Ray (async_flowgrpo.driver + modes) on 2 cores: sync, one_step_off and fully_async with a tiny model.
 
 One Ray cluster for the module; each run is a few steps of a tiny random SD3 model. The runs are
 shared between tests (module-scoped fixtures), since starting actors dominates the cost.
@@ -16,7 +16,8 @@ import torch
 
 from async_flowgrpo.config import load_config
 from async_flowgrpo.modes import run
-from async_flowgrpo.pipeline import Pipeline, PipelineError
+from async_flowgrpo.driver.cluster import RunError
+from async_flowgrpo.driver.run import Run
 
 PROMPTS = ["a red circle", "a blue square", "a red square", "a blue circle"]
 
@@ -66,6 +67,11 @@ def small_config(mode, model_dir, prompts, output_dir, *extra):
     )
 
 
+def one_batch(run):
+    """Generate one batch (batch modes' tickets) and return its group records."""
+    return run.batches.collect(run.batches.start(run.cfg.rollout.groups_per_step))
+
+
 def read_metrics(output_dir):
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
@@ -89,10 +95,9 @@ def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
     assert [r["version"] for r in rows] == [1, 2, 3]  # one published update per step
     for key in ("reward/mean", "loss/policy", "policy/clip_frac", "is/ess", "staleness/mean", "sync/time_s",
                 "perf/samples_per_s", "perf/trainer_idle_frac", "perf/rollout_idle_frac", "logp/max_abs_diff",
-                "samples/produced", "samples/consumed", "rollout/aborted", "queue/size"):
+                "samples/produced", "samples/consumed", "queue/size", "driver/bytes_per_step"):
         assert key in rows[-1], key
     assert rows[-1]["samples/consumed"] == 3 * 4
-    assert rows[-1]["rollout/aborted"] == 0
     assert os.path.exists(os.path.join(output_dir, "config.yaml"))
     assert os.listdir(os.path.join(output_dir, "checkpoints"))
 
@@ -129,14 +134,14 @@ def test_fully_async_eta_zero_is_sync(ray_cluster, tiny_model_dir, prompt_file, 
 
 def test_weights_change_and_rollout_matches_trainer_bit_for_bit(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
-    p = Pipeline(cfg)
+    p = Run(cfg)
     try:
         before = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
-        groups = p.collect(p.generate_batch_async())
+        groups = one_batch(p)
         p.train(groups)
         p.publish_weights()
         # The staged weights are swapped in at the next group start: generate one, then compare.
-        p.collect(p.generate_batch_async())
+        one_batch(p)
         after = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
         rollout_digests = ray.get([r.weights_digest.remote() for r in p.rollouts], timeout=60)
     finally:
@@ -161,7 +166,7 @@ def test_reward_that_always_fails_stops_the_run(ray_cluster, tiny_model_dir, tmp
     prompts = tmp_path / "bad.txt"
     prompts.write_text("a blue zebra\n")
     cfg = small_config("sync", tiny_model_dir, str(prompts), str(tmp_path / "run"), "reward.max_consecutive_failures=2")
-    with pytest.raises(PipelineError, match="consecutive reward failures") as error:
+    with pytest.raises(RunError, match="consecutive reward failures") as error:
         run(cfg)
     assert len(str(error.value).splitlines()) == 1
     assert os.listdir(tmp_path / "run" / "checkpoints")  # stopped with a checkpoint of the good state
@@ -172,7 +177,7 @@ def test_a_diverging_run_stops_loudly(ray_cluster, tiny_model_dir, prompt_file, 
     and skipped; after trainer.max_nonfinite_steps such steps in a row the run stops."""
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.lr=1e6", "trainer.total_steps=8",
                        "trainer.max_nonfinite_steps=2")
-    with pytest.raises(PipelineError, match="training diverged: .*max_nonfinite_steps=2.*trainer.lr") as error:
+    with pytest.raises(RunError, match="training diverged: .*max_nonfinite_steps=2.*trainer.lr") as error:
         run(cfg)
     assert len(str(error.value).splitlines()) == 1
     rows = read_metrics(str(tmp_path))
@@ -184,9 +189,9 @@ def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_d
     digests, weights = {}, {}
     for m in (1, 2):
         cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / f"m{m}"), f"trainer.num_workers={m}")
-        p = Pipeline(cfg)
+        p = Run(cfg)
         try:
-            groups = p.collect(p.generate_batch_async())  # same tickets, seeds and weights for both
+            groups = one_batch(p)  # same tickets, seeds and weights for both
             p.train(groups)
             state = ray.get(p.trainers[0].state_dict.remote(), timeout=60)["trainable"]
             weights[m] = state
@@ -199,20 +204,20 @@ def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_d
 
 
 def test_unreachable_ray_address_fails_fast(tiny_model_dir, prompt_file, tmp_path):
-    from async_flowgrpo.pipeline import init_ray
+    from async_flowgrpo.driver.cluster import init_ray
 
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.address=127.0.0.1:1", "ray.connect_timeout_s=2")
-    with pytest.raises(PipelineError, match="ray.address"):
+    with pytest.raises(RunError, match="ray.address"):
         init_ray(cfg)
 
 
 def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.gpus_per_worker=1")
-    with pytest.raises(PipelineError, match="GPUs requested"):
-        Pipeline(cfg)
+    with pytest.raises(RunError, match="GPUs requested"):
+        Run(cfg)
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=9", "rollout.cpus_per_worker=1")
-    with pytest.raises(PipelineError, match="CPUs requested"):
-        Pipeline(cfg)
+    with pytest.raises(RunError, match="CPUs requested"):
+        Run(cfg)
 
 
 def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
@@ -242,20 +247,20 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
 def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """Batch mode: kill a rollout actor's process while it generates; the batch still completes."""
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
-    with Pipeline(cfg) as p:
+    with Run(cfg) as p:
         pid = ray.get(p.rollouts[0].pid.remote(), timeout=60)
-        pending = p.generate_batch_async()
+        pending = p.batches.start(2)
         os.kill(pid, signal.SIGKILL)
-        groups = p.collect(pending)
+        groups = p.batches.collect(pending)
         assert sorted(g.prompt_index for g in groups) == [0, 1]  # nothing lost, nothing duplicated
-        assert p.rollout_restarts == 1
+        assert p.cluster.restarts == 1
         p.train(groups)
         p.publish_weights()  # the restarted actor is back in the sync group
         assert ray.get(p.rollouts[0].pid.remote(), timeout=60) != pid
 
 
 def test_fully_async_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    from async_flowgrpo.pipeline import rollout_actor_name
+    from async_flowgrpo.driver.cluster import rollout_actor_name
 
     output_dir = str(tmp_path)
     cfg = small_config("fully_async", tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=4")
@@ -328,17 +333,17 @@ def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_mode
     layouts = {"replicated": ("trainer.num_workers=1",), "fsdp": ("trainer.num_workers=2", "trainer.fsdp=true")}
     weights, checkpoint = {}, None
     for name, extra in layouts.items():
-        p = Pipeline(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / name), *common, *extra))
+        p = Run(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / name), *common, *extra))
         try:
-            p.train(p.collect(p.generate_batch_async()))  # same tickets, seeds and weights for both
+            p.train(one_batch(p))  # same tickets, seeds and weights for both
             p.version += 1
             p.publish_weights()  # sync.verify: raises unless the rollout's digest equals the trainer's
-            metrics = p.on_trainers("evaluate", 1, timeout=300)["metrics"]
+            metrics = p.cluster.on_trainers("evaluate", 1, timeout=300)["metrics"]
             assert 0.0 <= metrics["eval/reward"] <= 1.0 and metrics["eval/time_s"] > 0
             p.step = 1
             checkpoint = p.save_checkpoint()
             weights[name] = checkpoint_io.load(checkpoint)["learner"]["trainable"]
-            digest = p.on_trainers("weights_digest")
+            digest = p.cluster.on_trainers("weights_digest")
         finally:
             p.shutdown()
     from diffusers import SD3Transformer2DModel
@@ -352,9 +357,9 @@ def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_mode
     for n, p in saved.named_parameters():
         torch.testing.assert_close(p, weights["fsdp"][n], rtol=0, atol=0)
 
-    resumed = Pipeline(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / "resumed"), *common,
+    resumed = Run(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path / "resumed"), *common,
                                     *layouts["fsdp"], f"trainer.resume={checkpoint}"))
     try:
-        assert resumed.on_trainers("weights_digest") == digest
+        assert resumed.cluster.on_trainers("weights_digest") == digest
     finally:
         resumed.shutdown()

@@ -1,0 +1,191 @@
+"""The cluster: Ray start or join, one placement group, the actors, and their restarts.
+
+Everything else in the driver talks to actors through this object; it knows nothing of steps,
+weights versions or checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import ray
+import torch
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from async_flowgrpo.actors.rollout import RolloutActor
+from async_flowgrpo.actors.trainer import TrainerActor
+from async_flowgrpo.config import Config
+from async_flowgrpo.rewards.pool import make_reward_pool
+from async_flowgrpo.sync import free_port, make_transport, node_ip
+
+logger = logging.getLogger(__name__)
+
+
+class RunError(RuntimeError):
+    """A start-up or run failure with a message meant for the user (the launcher prints one line)."""
+
+
+def init_ray(cfg: Config) -> None:
+    address = cfg.ray.address
+    if address and address != "auto":
+        # ray.init retries an unreachable address for a long time: probe the port first.
+        host, _, port = address.replace("ray://", "").rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=cfg.ray.connect_timeout_s).close()
+        except (OSError, ValueError) as e:
+            raise RunError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
+    to_console = cfg.logging.actor_output == "console"
+    if address:
+        try:
+            ray.init(address=address, runtime_env=env, log_to_driver=to_console)
+        except (ConnectionError, RuntimeError) as e:
+            raise RunError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
+    else:
+        ray.init(
+            num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+            num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
+            include_dashboard=False,
+            runtime_env=env,
+            log_to_driver=to_console,
+        )
+
+
+def check_resources(cfg: Config) -> None:
+    """Fail in seconds, not hang, when the cluster cannot hold the requested actors."""
+    total = ray.cluster_resources()
+    r, t = cfg.rollout, cfg.trainer
+    need_gpu = r.num_workers * r.gpus_per_worker + t.num_workers * t.gpus_per_worker
+    need_cpu = r.num_workers * r.cpus_per_worker + t.num_workers * t.cpus_per_worker
+    need_cpu += cfg.reward.num_workers * cfg.reward.cpus_per_worker
+    if need_gpu > total.get("GPU", 0):
+        raise RunError(
+            f"rollout.gpus_per_worker/trainer.gpus_per_worker: {need_gpu:g} GPUs requested "
+            f"({r.num_workers} rollout + {t.num_workers} trainer actors), the cluster has {total.get('GPU', 0):g}"
+        )
+    if need_cpu > total.get("CPU", 0):
+        raise RunError(
+            f"rollout/trainer/reward .cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
+        )
+
+
+def rollout_actor_name(output_dir: str, index: int) -> str:
+    """Named so operators (and the fault-tolerance test) can find a run's rollout actors."""
+    return f"async_flowgrpo:{os.path.abspath(output_dir)}:rollout-{index}"
+
+
+def sync_host(cfg: Config) -> str | None:
+    """Where the weight-sync rendezvous listens: sync.host, else loopback when the Ray cluster is
+    one node (no other machine can reach it), else the trainer's node IP (None)."""
+    if cfg.sync.host:
+        return cfg.sync.host
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    return "127.0.0.1" if len(alive) == 1 else None
+
+
+def _bundle(cpus: float, gpus: float) -> dict:
+    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+
+
+class Cluster:
+    """Rollout actors, trainer actors and reward actors, placed in one placement group (rollout
+    and trainer bundles are separate, so they never share a GPU). Call `shutdown` when done; a
+    failed start-up shuts down what it started."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        init_ray(cfg)
+        check_resources(cfg)
+        r, t = cfg.rollout, cfg.trainer
+        self.transport = make_transport(
+            cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s, verify=cfg.sync.verify
+        )
+        self.bundles = [_bundle(r.cpus_per_worker, r.gpus_per_worker)] * r.num_workers
+        self.bundles += [_bundle(t.cpus_per_worker, t.gpus_per_worker)] * t.num_workers
+        self.trainers, self.rollouts, self.reward_actors = [], [], []
+        self.rollout_pids: list[int] = []
+        self.restarts = 0  # rollout actors Ray restarted
+        self.placement = placement_group(self.bundles, strategy="PACK")
+
+    def start(self) -> None:
+        cfg, r, t = self.cfg, self.cfg.rollout, self.cfg.trainer
+        try:
+            ray.get(self.placement.ready(), timeout=cfg.ray.connect_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"the cluster cannot place {len(self.bundles)} actors with bundles {self.bundles} "
+                           "(ray.address / *.gpus_per_worker)") from None
+        dp_address = (node_ip(), free_port())
+        self.trainers = [
+            TrainerActor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
+            for i in range(t.num_workers)
+        ]
+        w = cfg.reward
+        self.reward_actors = make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker) if w.num_workers else []
+        self.rollouts = [
+            RolloutActor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
+                cfg, i, self.transport, self.reward_actors
+            )
+            for i in range(r.num_workers)
+        ]
+        ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
+        self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=cfg.ray.call_timeout_s)
+
+    def _placed(self, bundle_index: int, role) -> dict:
+        return {
+            "num_cpus": role.cpus_per_worker,
+            "num_gpus": role.gpus_per_worker,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=bundle_index),
+        }
+
+    # -- restarts ------------------------------------------------------------------------------
+    def wait_restarted(self, index: int) -> None:
+        """Wait until rollout actor `index` answers; count a restart if its process is new (whichever
+        of the generation loop or a weight sync noticed the death first)."""
+        pid = self._wait_alive(self.rollouts[index])
+        if pid != self.rollout_pids[index]:
+            self.restarts += 1
+            self.rollout_pids[index] = pid
+
+    def _wait_alive(self, actor) -> int:
+        """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers
+        and return its pid. (pid runs on the control thread, so a busy generation loop does not
+        delay the answer.)"""
+        timeout_s = self.cfg.ray.start_timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return ray.get(actor.pid.remote(), timeout=timeout_s)
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+
+    # -- calls -----------------------------------------------------------------------------------
+    @property
+    def whole_weight_ranks(self) -> list:
+        """Trainers that must join a call needing whole weights: rank 0 alone, or, when the weights
+        are sharded (FSDP), every rank, since gathering them is collective."""
+        return self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
+
+    def on_trainers(self, method: str, *args, timeout: float | None = None):
+        """Call a rank-0 trainer method (on `whole_weight_ranks`); returns rank 0's answer."""
+        refs = [getattr(t, method).remote(*args) for t in self.whole_weight_ranks]
+        return ray.get(refs, timeout=timeout or self.cfg.ray.work_timeout_s)[0]
+
+    def rollout_stats(self) -> list[dict]:
+        return ray.get([r.stats.remote() for r in self.rollouts], timeout=self.cfg.ray.call_timeout_s)
+
+    def trainer_idle(self) -> float:
+        idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=self.cfg.ray.call_timeout_s)
+        return sum(idle) / len(idle)
+
+    def shutdown(self) -> None:
+        for actor in self.rollouts + self.trainers + self.reward_actors:
+            ray.kill(actor)
+        remove_placement_group(self.placement)

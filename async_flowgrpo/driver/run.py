@@ -1,0 +1,342 @@
+"""A run: the parts a mode's loop uses, put together, and what every mode does the same way.
+
+    with Run(cfg) as run:             # cluster up, weights published, resumed if asked
+        records = ...                 # the mode decides when groups are made (its own file)
+        metrics = run.train(records)  # advantages from rewards; trainers fetch the groups by ref
+        run.publish_weights()
+        run.end_step(metrics, extra)  # samples, evaluation, one metrics row, checkpoint when due
+
+Parts (each with one job): `Cluster` (Ray, placement, actors, restarts), `WeightPublisher`
+(trainer -> rollout weights), `BatchRollouts` (batch modes' tickets), `make_batch` (advantages),
+`Checkpointer` (atomic checkpoints), `Schedule` (when to evaluate, checkpoint, save samples),
+`RunLogger` (outputs and the progress bar). This class holds the run's counters, writes and
+restores them, and turns signals and actor deaths into one line for the user.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import ray
+
+from async_flowgrpo import checkpoint
+from async_flowgrpo.checkpoint import Checkpointer, CheckpointError
+from async_flowgrpo.config import Config
+from async_flowgrpo.driver.batch import make_batch
+from async_flowgrpo.driver.cluster import Cluster, RunError
+from async_flowgrpo.driver.weights import WeightPublisher
+from async_flowgrpo.metrics import RunLogger, reduce_metrics
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
+from async_flowgrpo.types import GroupRecord
+
+logger = logging.getLogger(__name__)
+
+
+def checkpointer(cfg: Config) -> Checkpointer:
+    return Checkpointer(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints)
+
+
+@dataclass
+class Schedule:
+    """When a step is followed by an evaluation, a checkpoint or a saved sample grid."""
+
+    total_steps: int
+    eval_every: int
+    eval_at_start_and_end: bool
+    checkpoint_every: int
+    sample_every: int
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Schedule":
+        t, e = cfg.trainer, cfg.eval
+        return cls(t.total_steps, e.every, e.at_start_and_end, t.checkpoint_every, t.sample_every)
+
+    def last(self, step: int) -> bool:
+        return step >= self.total_steps
+
+    def evaluate(self, step: int) -> bool:
+        return bool(self.eval_every and step % self.eval_every == 0) or (self.last(step) and self.eval_at_start_and_end)
+
+    def checkpoint(self, step: int) -> bool:
+        return bool(self.checkpoint_every and step % self.checkpoint_every == 0) or self.last(step)
+
+    def samples(self, step: int) -> bool:
+        return bool(self.sample_every and step % self.sample_every == 0)
+
+
+class BatchRollouts:
+    """sync and one_step_off: the driver hands out tickets (group indices) round-robin, one batch
+    at a time, and gets back each group's record; the groups stay in the object store, owned by
+    the driver, so they outlive a rollout actor that dies after making them."""
+
+    def __init__(self, cluster: Cluster, weights: WeightPublisher, run: "Run"):
+        self.cluster, self.weights, self.run = cluster, weights, run
+        self.next_ticket = run.trained_ticket_end  # resume regenerates from the first untrained ticket
+        self._batch_ends: deque[int] = deque()  # end ticket of each batch started, not yet collected
+
+    def start(self, num_groups: int) -> list:
+        tickets = list(range(self.next_ticket, self.next_ticket + num_groups))
+        self.next_ticket += num_groups
+        self._batch_ends.append(self.next_ticket)
+        rollouts = self.cluster.rollouts
+        shares = [tickets[i :: len(rollouts)] for i in range(len(rollouts))]
+        return [(i, share, self._generate(i, share)) for i, share in enumerate(shares) if share]
+
+    def _generate(self, index: int, tickets: list[int]) -> list:
+        return self.cluster.rollouts[index].generate.options(num_returns=len(tickets) + 1).remote(tickets)
+
+    def collect(self, pending: list) -> list[GroupRecord]:
+        """Wait for a batch's records; a share lost with a dead rollout actor is regenerated after
+        its restart. Groups whose reward failed are counted in rewards/skipped_groups."""
+        run, timeout = self.run, self.run.cfg.ray.work_timeout_s
+        records = []
+        with run.stop.abandonable():  # only waiting: a batch left half-made is regenerated on resume
+            for i, tickets, refs in pending:
+                try:
+                    got = ray.get(refs[0], timeout=timeout)
+                except ray.exceptions.RayActorError as e:
+                    self.weights.recover(i, e, run.version)
+                    refs = self._generate(i, tickets)
+                    got = ray.get(refs[0], timeout=timeout)
+                for record, ref in zip(got, refs[1:]):
+                    if record is not None:
+                        record.ref = ref
+                    records.append(record)
+        run.collected_ticket_end = self._batch_ends.popleft()
+        kept = [r for r in records if r is not None]
+        run.skipped_groups += len(records) - len(kept)
+        run.produced_samples += sum(r.size for r in kept)
+        return kept
+
+
+class Run:
+    """Start with `with Run(cfg) as run:`; see the module docstring."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.schedule = Schedule.of(cfg)
+        self.checkpointer = checkpointer(cfg)
+        self.stop = GracefulStop()
+        self.log: RunLogger | None = None
+        self.cluster = Cluster(cfg)
+        self.stop.install()  # after ray.init, which installs a SIGTERM handler of its own; undone by shutdown()
+        try:
+            with self.stop.abandonable():  # a signal during start-up: nothing to save yet
+                self._start()
+        except BaseException:
+            self.shutdown()  # no half-started actors left behind
+            raise
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        self.cluster.start()
+        self.weights = WeightPublisher(self.cluster, cfg)
+        # counters, all checkpointed
+        self.step = 0  # trainer steps done
+        self.version = 0  # published weight version (= updates made)
+        self.trained_ticket_end = 0  # batch modes: groups before this ticket are trained
+        self.collected_ticket_end = 0
+        self.consumed_samples = 0
+        self.produced_samples = 0  # batch modes (fully_async: the queue counts)
+        self.skipped_groups = 0
+        self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async)
+        self.lost_samples = 0  # queued samples whose rollout actor died before they were trained (fully_async)
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
+        self._reward_errors_seen: dict[int, int] = {}  # fully_async: per rollout actor, to count skipped groups
+        self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
+        self.checkpoint_extra = lambda: {}  # a mode adds its own state (fully_async: the queue's counters)
+        self.log = RunLogger(cfg.trainer.output_dir, cfg, total_steps=cfg.trainer.total_steps, progress=cfg.logging.progress)
+        self.resumed_state = self._resume_if_asked()
+        self.publish_weights()  # rollout actors start from exactly the trainer's weights
+        self.batches = BatchRollouts(self.cluster, self.weights, self)
+        self.start_time = time.perf_counter()
+        self._consumed_at_start = self.consumed_samples  # throughput counts this process's work only
+
+    @property
+    def rollouts(self) -> list:
+        return self.cluster.rollouts
+
+    @property
+    def trainers(self) -> list:
+        return self.cluster.trainers
+
+    def publish_weights(self) -> dict:
+        return self.weights.publish(self.version)
+
+    def recover_rollout(self, index: int, error: Exception) -> None:
+        self.weights.recover(index, error, self.version)
+
+    # -- training ------------------------------------------------------------------------------
+    def train(self, records: list[GroupRecord]) -> dict[str, float] | None:
+        """One data-parallel update on the batch (version + 1). Returns the step's metrics, or None
+        when every group of the batch was skipped (counted in rewards/skipped_groups)."""
+        if not records:
+            return None
+        batch = make_batch(records, self.version, self.cfg.algorithm)
+        n = len(self.trainers)
+        if len(batch.records) < n:  # nothing (or too little) to learn from: keep the weights, count it
+            return {**batch.metrics, "train/skipped_short_batch": 1.0}
+        calls = [trainer.train_step.remote([([r.ref], adv) for r, adv in shard], self.version)
+                 for trainer, shard in zip(self.trainers, batch.shards(n))]
+        per_rank = ray.get(calls, timeout=self.cfg.ray.work_timeout_s)
+        metrics = {**reduce_metrics(per_rank), **batch.metrics}  # batch-wide reward stats, not per-shard means
+        lost = int(metrics.pop("samples/lost", 0))  # fully_async: queued groups die with their rollout actor
+        self.lost_samples += lost
+        self.consumed_samples += batch.samples - lost
+        self.trained_ticket_end = self.collected_ticket_end  # batch modes: resume regenerates from here
+        self.step += 1
+        self.version += 1
+        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * n)
+        return metrics
+
+    def _count_nonfinite(self, metrics: dict, updates: int) -> None:
+        """Skipped NaN/inf updates are warned about; too many whole steps of them in a row stop the run."""
+        try:
+            warning = self.nonfinite.update(self.step, int(metrics.get("train/skipped_nonfinite", 0)), updates)
+        except Diverged as e:
+            last = self.checkpointer.latest_name()
+            raise RunError(f"{e}; lower trainer.lr (now {self.cfg.trainer.lr:g}) and resume from the last "
+                           f"checkpoint ({last or 'none'}) with trainer.resume=latest") from None
+        if warning:
+            logger.warning(warning)
+        metrics["train/nonfinite_steps"] = self.nonfinite.steps
+
+    # -- after each step -----------------------------------------------------------------------
+    def end_step(self, train_metrics: dict, extra: dict | None = None) -> None:
+        """Save samples, evaluate, write the step's metrics row, checkpoint: each when scheduled."""
+        if self.schedule.samples(self.step):
+            images = ray.get(self.trainers[0].sample_images.remote(), timeout=self.cfg.ray.call_timeout_s)
+            if images is not None:
+                self.log.log_images(self.step, "rollout", *images)
+        eval_metrics = self.evaluate() if self.schedule.evaluate(self.step) else {}
+        self.log.log(self.step, self.step_metrics(train_metrics, {**(extra or {}), **eval_metrics}))
+        if self.schedule.checkpoint(self.step):
+            self.save_checkpoint()
+
+    def evaluate(self) -> dict:
+        result = self.cluster.on_trainers("evaluate", self.step)
+        self.log.log_images(self.step, "eval", result["images"], result["captions"])
+        return result["metrics"]
+
+    def evaluate_at_start(self) -> None:
+        """The base model's evaluation, logged as step 0 (not repeated on resume)."""
+        if self.step == 0 and self.schedule.eval_at_start_and_end:
+            self.log.log(0, {"step": 0, "version": self.version, **self.evaluate()})
+
+    def step_metrics(self, train_metrics: dict, extra: dict | None = None) -> dict:
+        elapsed = time.perf_counter() - self.start_time
+        rollout_stats = self.cluster.rollout_stats()
+        if self.cfg.mode == "fully_async":  # batch modes count skipped groups in collect()
+            for i, s in enumerate(rollout_stats):  # each reward failure skips one group
+                errors, seen = int(s.get("rewards/errors", 0)), self._reward_errors_seen.get(i, 0)
+                self.skipped_groups += errors - seen if errors >= seen else errors  # fewer: the actor restarted
+                self._reward_errors_seen[i] = errors
+        m = {
+            "step": self.step,
+            "version": self.version,
+            "time_s": elapsed,
+            **train_metrics,
+            "sync/time_s": 0.0,  # this step's weight sync (the mode's extra has it when one ran)
+            "sync/bytes": 0,
+            **self.weights.totals(),
+            "perf/samples_per_s": (self.consumed_samples - self._consumed_at_start) / max(elapsed, 1e-9),
+            "perf/trainer_idle_frac": self.cluster.trainer_idle(),
+            "samples/consumed": self.consumed_samples,
+            "rewards/skipped_groups": self.skipped_groups,
+            "train/nonfinite_steps": self.nonfinite.steps,
+            "rollout/restarts": self.cluster.restarts,
+            "rollout/lost_groups": self.lost_groups,
+            "samples/lost": self.lost_samples,
+        }
+        m.update(reduce_metrics(rollout_stats))
+        m["perf/rollout_idle_frac"] = sum(s["perf/rollout_idle_frac"] for s in rollout_stats) / len(rollout_stats)
+        m.setdefault("samples/produced", self.produced_samples)
+        m.setdefault("samples/dropped_stale", 0)
+        m.setdefault("queue/size", 0)
+        m.update(extra or {})
+        return m
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        """Atomically (see async_flowgrpo/checkpoint.py): state.json + tensors.safetensors + weights/."""
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "next_ticket": self.trained_ticket_end,
+            "consumed_samples": self.consumed_samples,
+            "skipped_groups": self.skipped_groups,
+            "nonfinite_steps": self.nonfinite.steps,
+            "config": dataclasses.asdict(self.cfg),  # resume compares the new config with it
+            "learner": self.cluster.on_trainers("state_dict"),
+            **self.checkpoint_extra(),
+        }
+        path = self.checkpointer.save(
+            self.step, state, write_extra=lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights"))
+        )
+        self.saved_step = self.step
+        return path
+
+    def _resume_if_asked(self) -> dict:
+        resume = self.cfg.trainer.resume
+        if not resume:
+            return {}
+        try:
+            path, _ = self.checkpointer.find(resume)
+            state = checkpoint.load(path)
+        except CheckpointError as e:
+            raise RunError(str(e)) from None
+        if "config" in state:  # (legacy state.pt checkpoints have none)
+            fixed, changed = checkpoint.config_changes(state["config"], self.cfg)
+            if fixed:
+                raise RunError(f"trainer.resume: {path} cannot continue with a changed {', '.join(fixed)}")
+            if changed:
+                logger.info("resume: applying changed settings: %s", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        checkpoint.apply_optimizer_settings(state["learner"]["optimizer"], self.cfg)  # the new lr takes effect
+        ray.get([t.load_state_dict.remote(state["learner"]) for t in self.trainers], timeout=self.cfg.ray.work_timeout_s)
+        self.step, self.version = state["step"], state["version"]
+        self.trained_ticket_end = self.collected_ticket_end = state["next_ticket"]
+        self.consumed_samples = state["consumed_samples"]
+        self.skipped_groups = state.get("skipped_groups", 0)
+        self.nonfinite.steps = state.get("nonfinite_steps", 0)
+        self.saved_step = self.step
+        logger.info("resumed from %s at step %d", path, self.step)
+        return state
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
+        line; always shut down."""
+        try:
+            if exc_type is not None and issubclass(exc_type, StopRequested):
+                # Raised only between steps or while waiting for rollouts: step N holds exactly N updates.
+                if not exc.force and self.saved_step != self.step:
+                    self.save_checkpoint()
+                saved = not exc.force or self.saved_step == self.step
+                raise Stopped(exc.signum, self.step, saved) from None
+            elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
+                last = self.checkpointer.latest_name()
+                raise RunError(
+                    f"an actor died at step {self.step} ({str(exc).splitlines()[0][:200]}); "
+                    f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
+                ) from None
+            elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayTaskError):
+                # An actor raised (e.g. too many consecutive reward failures): keep the good state.
+                path = self.save_checkpoint()
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raise RunError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
+        finally:
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        self.cluster.shutdown()
+        if self.log is not None:
+            self.log.close()
+        self.stop.uninstall()
