@@ -96,10 +96,14 @@ def _bundle(cpus: float, gpus: float) -> dict:
 class Cluster:
     """Rollout actors, trainer actors and reward actors, placed in one placement group (rollout
     and trainer bundles are separate, so they never share a GPU). Call `shutdown` when done; a
-    failed start-up shuts down what it started."""
+    failed start-up shuts down what it started.
 
-    def __init__(self, cfg: Config):
+    `rollout_actor` / `trainer_actor`: the actor classes (benchmarks/scale_sim.py passes stand-ins
+    with set costs, to measure the driver alone)."""
+
+    def __init__(self, cfg: Config, rollout_actor=RolloutActor, trainer_actor=TrainerActor):
         self.cfg = cfg
+        self.rollout_actor, self.trainer_actor = rollout_actor, trainer_actor
         init_ray(cfg)
         check_resources(cfg)
         r, t = cfg.rollout, cfg.trainer
@@ -122,13 +126,13 @@ class Cluster:
                            "(ray.address / *.gpus_per_worker)") from None
         dp_address = (node_ip(), free_port())
         self.trainers = [
-            TrainerActor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
+            self.trainer_actor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
             for i in range(t.num_workers)
         ]
         w = cfg.reward
         self.reward_actors = make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker) if w.num_workers else []
         self.rollouts = [
-            RolloutActor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
+            self.rollout_actor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
                 cfg, i, self.transport, self.reward_actors
             )
             for i in range(r.num_workers)

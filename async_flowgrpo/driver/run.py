@@ -115,15 +115,16 @@ class BatchRollouts:
 
 
 class Run:
-    """Start with `with Run(cfg) as run:`; see the module docstring."""
+    """Start with `with Run(cfg) as run:`; see the module docstring. `actor_classes`: passed to
+    `Cluster` (stand-in actors for benchmarks)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, actor_classes: dict | None = None):
         self.cfg = cfg
         self.schedule = Schedule.of(cfg)
         self.checkpointer = checkpointer(cfg)
         self.stop = GracefulStop()
         self.log: RunLogger | None = None
-        self.cluster = Cluster(cfg)
+        self.cluster = Cluster(cfg, **(actor_classes or {}))
         self.stop.install()  # after ray.init, which installs a SIGTERM handler of its own; undone by shutdown()
         try:
             with self.stop.abandonable():  # a signal during start-up: nothing to save yet

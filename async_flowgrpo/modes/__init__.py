@@ -9,5 +9,7 @@ import importlib
 from async_flowgrpo.config import Config
 
 
-def run(cfg: Config) -> dict:
-    return importlib.import_module(f"async_flowgrpo.modes.{cfg.mode}").run(cfg)
+def run(cfg: Config, actor_classes: dict | None = None) -> dict:
+    """Run cfg.mode's loop. actor_classes: {"rollout_actor": ..., "trainer_actor": ...} stand-ins
+    (benchmarks/scale_sim.py); None for the real actors."""
+    return importlib.import_module(f"async_flowgrpo.modes.{cfg.mode}").run(cfg, actor_classes)

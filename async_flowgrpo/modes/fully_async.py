@@ -17,9 +17,9 @@ from async_flowgrpo.driver.run import Run
 from async_flowgrpo.queue import make_queue_actor
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, actor_classes: dict | None = None) -> dict:
     eta, gps, wait = cfg.algorithm.max_staleness, cfg.rollout.groups_per_step, cfg.ray.call_timeout_s
-    with Run(cfg) as run:
+    with Run(cfg, actor_classes) as run:
         queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
         run.checkpoint_extra = lambda: {"queue": ray.get(queue.state_dict.remote(), timeout=wait)}
         # the queue's first call waits for its worker process to start: as long as the other actors may

@@ -12,9 +12,9 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.driver.run import Run
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, actor_classes: dict | None = None) -> dict:
     gps = cfg.rollout.groups_per_step
-    with Run(cfg) as run:
+    with Run(cfg, actor_classes) as run:
         run.evaluate_at_start()
         pending = run.batches.start(gps)
         while run.step < cfg.trainer.total_steps:

@@ -6,8 +6,8 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.driver.run import Run
 
 
-def run(cfg: Config) -> dict:
-    with Run(cfg) as run:
+def run(cfg: Config, actor_classes: dict | None = None) -> dict:
+    with Run(cfg, actor_classes) as run:
         run.evaluate_at_start()
         while run.step < cfg.trainer.total_steps:
             run.stop.check()  # SIGTERM/SIGINT: stop here, between two steps
