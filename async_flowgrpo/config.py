@@ -108,14 +108,19 @@ class AlgorithmConfig:
     nft_decay_max: float = 0.5  # up to this (the public code's defaults)
 
 
+# Weight-sync defaults, also the sync package's (one default each)
+SYNC_BUCKET_MB = 64.0  # bucket of the checkpoint engine's packed transfer
+SYNC_TIMEOUT_S = 1800.0  # one weight publication, end to end
+
+
 @dataclass
 class SyncConfig:
     transport: str = "collective"  # collective (NCCL on CUDA / gloo on CPU) | object_store
     every: int = 1  # trainer updates between weight publications
-    bucket_mb: float = 64.0
+    bucket_mb: float = SYNC_BUCKET_MB
     update_point: str = "between_steps"  # between_steps (in-flight) | between_groups
     verify: bool = True  # digest check after every sync
-    timeout_s: float = 1800.0
+    timeout_s: float = SYNC_TIMEOUT_S
     # Where the weight-sync rendezvous (TCPStore + gloo) listens. None = 127.0.0.1 when the Ray
     # cluster has one node (nothing off this machine can connect), else this node's cluster IP.
     host: Optional[str] = None

@@ -293,7 +293,8 @@ class RunLogger:
     their last value.
     """
 
-    POSTFIX = (("reward/mean", "reward"), ("eval/accuracy", "eval"), ("staleness/mean", "stale"))
+    POSTFIX = (("reward/mean", "reward"), ("eval/accuracy", "eval"), ("staleness/mean", "stale"),
+               ("perf/samples_per_s", "samples/s"))
 
     def __init__(self, output_dir: str, config: Config, *, total_steps: int, progress: bool = True) -> None:
         self.output_dir = output_dir

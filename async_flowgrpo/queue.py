@@ -107,25 +107,24 @@ class StalenessController:
             "max_staleness": self.max_staleness,
         }
 
-    def load_state_dict(self, state: dict[str, int], consumed_groups: int | None = None) -> None:
+    def load_state_dict(self, state: dict[str, int], kept_groups: int | None = None) -> None:
         """Restore after a restart.
 
-        Groups that were queued or in flight when the checkpoint was written did not survive the
-        restart, so their slots must not stay taken (the trainer would wait for them forever). With
-        ``consumed_groups`` (the groups the trainer had consumed at the checkpoint) every slot but
-        the consumed ones is released: ``released = started - consumed_groups``, so
-        ``admitted = consumed_groups``. At version v = consumed / groups_per_step the new run may then
-        admit ``(max_staleness + 1) * groups_per_step`` groups, exactly as a fresh run at that
-        version, and staleness <= max_staleness keeps holding. Without it the saved counters come
-        back verbatim. groups_per_step / max_staleness keep the constructor's values (the config may
-        have changed on resume).
+        Groups in flight when the checkpoint was written did not survive the restart (their
+        tickets are handed out again and take new slots), so their slots must not stay taken: the
+        trainer would wait for them forever. With ``kept_groups`` (the groups consumed at the
+        checkpoint plus those restored to the queue) every other slot is released:
+        ``released = started - kept_groups``, so ``admitted = kept_groups``, exactly as a fresh run
+        at that version that had made those groups, and staleness <= max_staleness keeps holding.
+        Without it the saved counters come back verbatim. groups_per_step / max_staleness keep the
+        constructor's values (the config may have changed on resume).
         """
         self.version = int(state["version"])
         self.started = int(state["started"])
         self.released = int(state["released"])
-        if consumed_groups is not None:
-            self.started = max(self.started, int(consumed_groups))
-            self.released = self.started - int(consumed_groups)
+        if kept_groups is not None:
+            self.started = max(self.started, int(kept_groups))
+            self.released = self.started - int(kept_groups)
 
 
 class ReplayQueue:
@@ -208,6 +207,10 @@ class ReplayQueue:
         self._release_slots(len(out))
         return out
 
+    def queued(self) -> list:
+        """The queued groups in order, left in the queue."""
+        return list(self._groups)
+
     def _release_slots(self, n: int) -> None:
         """Give back the admission slots of n groups just removed untrained.
 
@@ -222,21 +225,24 @@ class ReplayQueue:
         c.release(min(n, max(0, held)))
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters only: queued groups are not checkpointed (they are regenerated after resume)."""
+        """Counters only; `queued()` lists the groups themselves."""
         keys = (
             "produced consumed dropped_stale drained produced_samples consumed_samples "
             "dropped_stale_samples drained_samples producer_wait_s consumer_wait_s"
         ).split()
         return {k: getattr(self, k) for k in keys}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], queued: list | None = None) -> None:
+        """Restore the counters; `queued`: the groups that were queued at save time, back in the
+        queue in their order (they were counted as produced then). Any other group queued at save
+        time is gone and counts as drained, so produced = consumed + dropped_stale + drained +
+        queued holds in the resumed run."""
         for k, v in state.items():
             setattr(self, k, v)
-        # Groups queued at save time are gone; count them as drained so the balance
-        # produced = consumed + dropped_stale + drained + queued holds in the resumed run.
-        self.drained = self.produced - self.consumed - self.dropped_stale
-        self.drained_samples = self.produced_samples - self.consumed_samples - self.dropped_stale_samples
-        self._groups.clear()
+        self._groups = deque(queued or [])
+        self.drained = self.produced - self.consumed - self.dropped_stale - len(self._groups)
+        self.drained_samples = (self.produced_samples - self.consumed_samples - self.dropped_stale_samples
+                                - self.size_samples)
 
 
 class QueueActor:
@@ -259,6 +265,7 @@ class QueueActor:
         self.admission_wait_s = 0.0  # part of producer_wait_s spent in acquire_start
         self.next_ticket = 0  # see acquire_ticket
         self.tickets_in_flight: dict[int, int] = {}  # worker id -> ticket it is generating
+        self.pending_tickets: deque[int] = deque()  # in flight when the run was checkpointed: handed out first
         self._closed = False
         self._cond: asyncio.Condition | None = None  # created on the actor's event loop
 
@@ -324,15 +331,21 @@ class QueueActor:
         group, which fixes its prompt and seed. None on timeout (no slot taken), -1 after shutdown."""
         if not await self.acquire_start(worker_id, timeout):
             return -1 if self._closed else None
-        ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
+        if self.pending_tickets:
+            ticket = self.pending_tickets.popleft()
+        else:
+            ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
         self.tickets_in_flight[worker_id] = ticket
         return ticket
 
-    async def release_worker(self, worker_id: int) -> int | None:
-        """A worker died: give back the slot of the group it was generating; returns that lost
-        ticket (None if it held none)."""
+    async def release_worker(self, worker_id: int, reissue: bool = False) -> int | None:
+        """The group a worker was generating will not be delivered (its reward failed, or the worker
+        died): give back its slot; returns its ticket (None if it held none). reissue: hand the
+        ticket out again before any new one (a worker died: its prompt is regenerated, not lost)."""
         ticket = self.tickets_in_flight.pop(worker_id, None)
         if ticket is not None:
+            if reissue:
+                self.pending_tickets.appendleft(ticket)
             await self.release_start(1)
         return ticket
 
@@ -430,22 +443,28 @@ class QueueActor:
             return out
 
     async def state_dict(self) -> dict[str, Any]:
+        """Counters, and what a resumed run continues with: the queued groups (as the producers put
+        them: group records) and the tickets of groups in flight (with those never handed out again)."""
         return {
             "controller": self.controller.state_dict(),
             "queue": self.queue.state_dict(),
             "admission_wait_s": self.admission_wait_s,
             "next_ticket": self.next_ticket,
+            "queued": self.queue.queued(),
+            "in_flight_tickets": sorted([*self.tickets_in_flight.values(), *self.pending_tickets]),
         }
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore counters. Groups queued or in flight at save time are gone: queued ones count as
-        drained and every slot except the consumed groups' is released (admitted := consumed, see
-        `StalenessController.load_state_dict`)."""
+        """Restore a saved state (with "queued" holding the groups to put back, possibly fewer
+        than were saved): the queued groups are queued again and the in-flight tickets are handed
+        out before new ones, so a stop loses no rollout work. The other slots are released
+        (admitted := consumed + queued, see `StalenessController.load_state_dict`)."""
         async with self.cond:
-            self.queue.load_state_dict(state["queue"])
-            self.controller.load_state_dict(state["controller"], consumed_groups=self.queue.consumed)
+            self.queue.load_state_dict(state["queue"], state.get("queued", []))
+            self.controller.load_state_dict(state["controller"], kept_groups=self.queue.consumed + len(self.queue))
             self.admission_wait_s = float(state.get("admission_wait_s", 0.0))
             self.next_ticket = int(state.get("next_ticket", 0))
+            self.pending_tickets = deque(int(t) for t in state.get("in_flight_tickets", []))
             self.cond.notify_all()
 
 

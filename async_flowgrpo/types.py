@@ -7,7 +7,7 @@ be pickled through Ray's object store and trained on any trainer actor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -68,6 +68,16 @@ class Group:
     @property
     def size(self) -> int:
         return self.latents.shape[0]
+
+    def to_state(self) -> dict:
+        """Tensors, numbers and strings only (checkpoint.encode stores it without pickle)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self)}
+        state["params"] = asdict(self.params)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict) -> "Group":
+        return cls(**{**state, "params": SamplingParams(**state["params"])})
 
     @property
     def min_version(self) -> int:

@@ -18,3 +18,13 @@ def tiny_model_dir(tmp_path_factory):
     from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_sd3")))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A 2-CPU local Ray cluster for one test module (the runs' actors take fractional CPUs)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
+    yield
+    ray.shutdown()

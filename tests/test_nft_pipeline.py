@@ -6,19 +6,11 @@ import math
 import os
 
 import pytest
-import ray
 
 from async_flowgrpo.config import load_config
 from async_flowgrpo.modes import run
 
 PROMPTS = ["a red circle", "a blue square", "a red square", "a blue circle"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
 
 
 def nft_config(mode, model_dir, tmp_path, *extra):

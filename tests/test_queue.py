@@ -20,7 +20,7 @@ from async_flowgrpo.types import Group, SamplingParams
 T = 30  # timeout on every ray.get
 
 
-def make_group(index: int, version: int | list[int] = 0, n: int = 2) -> Group:
+def make_group(index: int, version: int | list[int] = 0, n: int = 2, worker_id: int = 0) -> Group:
     versions = torch.tensor(version if isinstance(version, list) else [version], dtype=torch.long)
     w = len(versions)
     return Group(
@@ -35,6 +35,7 @@ def make_group(index: int, version: int | list[int] = 0, n: int = 2) -> Group:
         images=torch.zeros(n, 2, 2, 3, dtype=torch.uint8),
         prompt_embeds=torch.zeros(1, 2),
         pooled_prompt_embeds=torch.zeros(2),
+        worker_id=worker_id,
     )
 
 
@@ -200,7 +201,7 @@ def test_controller_state_dict_roundtrip():
     assert c2.state_dict() == state
     # Resume after 2 consumed groups: the 3 queued/in-flight ones died with the old run.
     c3 = StalenessController(groups_per_step=2, max_staleness=1)
-    c3.load_state_dict(state, consumed_groups=2)
+    c3.load_state_dict(state, kept_groups=2)
     assert c3.version == 1 and c3.admitted == 2
     n = 0
     while c3.can_start():
@@ -401,34 +402,59 @@ def test_actor_shutdown_wakes_waiters(actor):
     assert (s["admission/started"], s["admission/released"], s["admission/in_flight"]) == (1, 1, 0)
 
 
-def test_actor_state_dict_roundtrip(actor):
-    """Save from a QueueActor run in-process (plain asyncio), resume in a Ray actor."""
+@pytest.mark.parametrize("restore_queued", [True, False])
+def test_actor_state_dict_roundtrip(actor, restore_queued):
+    """Save from a QueueActor run in-process (plain asyncio), resume in a Ray actor. The queued group
+    comes back (or, when the resuming driver could not fetch it, counts as drained); the in-flight
+    group's ticket is handed out again before any new one."""
     gps, eta = 2, 1
 
     async def run_old() -> tuple[dict, dict]:
         old = QueueActor(capacity=8, groups_per_step=gps, max_staleness=eta)
-        for _ in range(4):
-            assert await old.acquire_start(0, timeout=5)
-        for i in range(3):  # the 4th is still in flight at the checkpoint
-            assert await old.put(make_group(i, 0, n=3))
+        tickets = [await old.acquire_ticket(w, timeout=5) for w in range(4)]
+        assert tickets == [0, 1, 2, 3]
+        for i in range(3):  # ticket 3 is still in flight at the checkpoint
+            assert await old.put(make_group(i, 0, n=3, worker_id=i))
         assert len(await old.get_batch(gps, timeout=5)) == gps
         await old.set_version(1)
         return await old.state_dict(), await old.stats()
 
     state, before = asyncio.run(run_old())
+    assert [g.prompt_index for g in state["queued"]] == [2] and state["in_flight_tickets"] == [3]
+    if not restore_queued:
+        state["queued"] = []
     q = actor(capacity=8, groups_per_step=gps, max_staleness=eta)
     ray.get(q.load_state_dict.remote(state), timeout=T)
     s = ray.get(q.stats.remote(), timeout=T)
     for key in ("samples/produced", "samples/consumed", "samples/dropped_stale", "admission/version"):
         assert s[key] == before[key]
-    # The queued group and the in-flight one died with the old run: counted, their slots freed.
-    assert s["queue/size"] == 0 and s["groups/drained"] == 1 and s["samples/drained"] == 3
+    kept = 1 if restore_queued else 0
+    assert s["queue/size"] == kept and s["groups/drained"] == 1 - kept and s["samples/drained"] == 3 * (1 - kept)
     assert s["admission/in_flight"] == 0
-    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + s["groups/drained"]
-    assert s["admission/started"] == s["groups/consumed"] + s["admission/released"]
-    # Exactly (v + eta + 1) * gps - consumed new groups may start: staleness stays <= eta.
-    n = 0
-    while ray.get(q.acquire_start.remote(0, timeout=0.1), timeout=T):
-        n += 1
-    assert n == (1 + eta + 1) * gps - gps
-    assert ray.get(q.state_dict.remote(), timeout=T)["queue"]["consumed"] == gps
+    assert s["groups/produced"] == s["groups/consumed"] + s["groups/dropped_stale"] + s["groups/drained"] + s["queue/size"]
+    assert s["admission/started"] == s["groups/consumed"] + s["queue/size"] + s["admission/released"]
+    # The ticket in flight at the checkpoint first, then new ones; exactly (v + eta + 1) * gps -
+    # consumed - queued groups may start, so staleness stays <= eta.
+    tickets = []
+    while (t := ray.get(q.acquire_ticket.remote(0, timeout=0.1), timeout=T)) is not None:
+        tickets.append(t)
+    assert tickets == list(range(3, 3 + (1 + eta + 1) * gps - gps - kept))
+    if restore_queued:
+        assert [g.prompt_index for g in ray.get(q.get_batch.remote(1, timeout=5), timeout=T)] == [2]
+
+
+def test_a_dead_workers_ticket_is_reissued_first_and_a_failed_rewards_is_not():
+    """release_worker(reissue=True) (the driver, for a dead rollout actor) hands the same ticket out
+    again before new ones; a worker dropping its own group (reward failed) gives the slot back only."""
+
+    async def scenario() -> list[int]:
+        q = QueueActor(capacity=8, groups_per_step=2, max_staleness=1)
+        assert [await q.acquire_ticket(w, timeout=5) for w in range(3)] == [0, 1, 2]
+        assert await q.release_worker(0) == 0  # reward failed: ticket 0 is not made again
+        assert await q.release_worker(1, reissue=True) == 1  # worker 1 died: ticket 1 comes back
+        assert await q.release_worker(1, reissue=True) is None  # nothing more held
+        stats = await q.stats()
+        assert stats["admission/in_flight"] == 1  # only ticket 2's slot is still taken
+        return [await q.acquire_ticket(w, timeout=0.1) for w in range(4)]
+
+    assert asyncio.run(scenario()) == [1, 3, 4, None]  # then the admission limit (v + eta + 1) * 2 = 4

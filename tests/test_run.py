@@ -23,13 +23,6 @@ PROMPTS = ["a red circle", "a blue square", "a red square", "a blue circle"]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1"}})
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "shapes.txt"
     path.write_text("\n".join(PROMPTS) + "\n")
@@ -244,6 +237,25 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
     pipe.load_lora_weights(os.path.join(resumed, "checkpoints", "step_000006", "weights"))
 
 
+def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """The checkpoint holds the groups queued (and the tickets in flight) at the last step; the
+    resumed run puts them back in the queue instead of dropping them, and its counters balance."""
+    from async_flowgrpo import checkpoint
+
+    out = str(tmp_path)
+    run(small_config("fully_async", tiny_model_dir, prompt_file, out, "trainer.total_steps=3"))
+    saved = checkpoint.load(os.path.join(out, "checkpoints", "step_000003"))["queue"]
+    assert len(saved["queued_groups"]) + len(saved["in_flight_tickets"]) >= 1  # producers run ahead (eta 1)
+    assert all(g["latents"].ndim == 5 for g in saved["queued_groups"])  # whole trajectories, not records
+    run(small_config("fully_async", tiny_model_dir, prompt_file, out, "trainer.total_steps=5", "trainer.resume=latest"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    resumed = rows[3]
+    assert resumed["groups/drained"] == 0  # nothing queued at the checkpoint was thrown away
+    assert resumed["samples/produced"] == resumed["samples/consumed"] + resumed["samples/dropped_stale"] + resumed["queue/size_samples"]
+    assert rows[-1]["samples/consumed"] == 5 * 4 and rows[-1]["staleness/max"] <= 1
+
+
 def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """Batch mode: kill a rollout actor's process while it generates; the batch still completes."""
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
@@ -259,11 +271,14 @@ def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster
         assert ray.get(p.rollouts[0].pid.remote(), timeout=60) != pid
 
 
-def test_fully_async_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prompt_file, tmp_path, mode):
+    """Kill a rollout actor's process once training has started: the run finishes every step, the
+    actor is restarted once, staleness stays bounded, and every trained sample is accounted for."""
     from async_flowgrpo.driver.cluster import rollout_actor_name
 
     output_dir = str(tmp_path)
-    cfg = small_config("fully_async", tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=4")
+    cfg = small_config(mode, tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=4")
     killed = {}
 
     def kill_one_when_running():
@@ -287,6 +302,11 @@ def test_fully_async_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[-1]["rollout/restarts"] == 1
     assert all(r["staleness/max"] <= 1 for r in rows)
+    if mode == "one_step_off":  # the dead actor's share is regenerated: every step trains a whole batch
+        assert rows[-1]["samples/consumed"] == 4 * 4
+    else:  # what died queued with the actor is counted, and the rest balances
+        last = rows[-1]
+        assert last["samples/produced"] == last["samples/consumed"] + last["samples/dropped_stale"] + last["queue/size_samples"]
 
 
 def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

@@ -25,10 +25,15 @@ from async_flowgrpo.rollout.worker import RolloutWorker
 from async_flowgrpo.types import GroupRecord
 
 
+class WeightsNotReceived(RuntimeError):
+    """A restarted rollout actor was asked to generate before it got the current weights."""
+
+
 @ray.remote(concurrency_groups={"sync": 1, "control": 1}, max_restarts=-1)
 class RolloutActor:
     """Ray restarts a dead rollout actor (max_restarts); the driver then rebuilds the weight-sync
-    group and pushes the current weights before the actor generates again."""
+    group and pushes the current weights before the actor generates again. Until then a restarted
+    actor refuses to generate (`WeightsNotReceived`): it holds the base weights, not the run's."""
 
     def __init__(self, cfg: Config, worker_id: int, transport, reward_actors: list | None = None):
         quiet_actor_output(cfg.trainer.output_dir, f"rollout-{worker_id}", cfg.logging.actor_output == "file")
@@ -38,6 +43,7 @@ class RolloutActor:
         self.poll_s = cfg.ray.poll_s
         self.receiver = transport.receiver()
         self.gpu = GpuMonitor().start()  # reports nothing on machines without NVIDIA GPUs
+        self.has_weights = not ray.get_runtime_context().was_current_actor_reconstructed
 
     def ready(self) -> bool:
         return True
@@ -50,17 +56,24 @@ class RolloutActor:
     def pull(self, handle: list) -> dict:
         result = self.receiver.receive(handle[0])
         self.worker.stage_weights(result.state, result.version)
+        self.has_weights = True
         return {"version": result.version, "seconds": result.stats.seconds, "digest": result.stats.digest}
 
     def generate(self, tickets: list[int]) -> tuple:
         """Call with .options(num_returns=len(tickets) + 1): returns ([record or None per ticket],
         *groups). A group whose reward failed is None in both."""
+        self._check_weights()
         groups = self.worker.generate(tickets)
         records = [None if g is None else GroupRecord.of(g) for g in groups]
         return (records, *groups)
 
     def run(self, queue) -> dict:
+        self._check_weights()
         return self.worker.run(queue, lambda group: GroupRecord.of(group, ray.put(group)), self.poll_s)
+
+    def _check_weights(self) -> None:
+        if not self.has_weights:
+            raise WeightsNotReceived("restarted rollout actor: no weights received yet")
 
     @ray.method(concurrency_group="control")
     def pid(self) -> int:

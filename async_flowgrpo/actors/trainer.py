@@ -44,8 +44,11 @@ def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
         offset += n
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"control": 1})
 class TrainerActor:
+    """Training, weight pushes, evaluation and checkpoints run one at a time on the default thread;
+    the driver's counter reads ("control") answer at once, even during a training step."""
+
     def __init__(self, cfg: Config, rank: int, world_size: int, dp_address: tuple[str, int], transport):
         quiet_actor_output(cfg.trainer.output_dir, f"trainer-{rank}", cfg.logging.actor_output == "file")
         set_cpu_threads(cfg.trainer.cpus_per_worker)
@@ -101,10 +104,12 @@ class TrainerActor:
             kept.append(group)
         return kept, lost
 
+    @ray.method(concurrency_group="control")
     def sample_images(self) -> tuple[torch.Tensor, list[str]] | None:
         """Rank 0: the first images of the last trained batch and their prompts (run outputs)."""
         return self.samples
 
+    @ray.method(concurrency_group="control")
     def idle_fraction(self) -> float:
         return self.busy.idle_frac()
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import ray
 
 from async_flowgrpo import checkpoint
+from async_flowgrpo.actors.rollout import WeightsNotReceived
 from async_flowgrpo.checkpoint import Checkpointer, CheckpointError
 from async_flowgrpo.config import Config
-from async_flowgrpo.driver.batch import make_batch
+from async_flowgrpo.driver.batch import Batch, make_batch
 from async_flowgrpo.driver.cluster import Cluster, RunError
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
@@ -69,6 +70,14 @@ class Schedule:
         return bool(self.sample_every and step % self.sample_every == 0)
 
 
+@dataclass
+class TrainStep:
+    """An update sent to the trainers (`calls`: one ref per trainer; none when the batch was too short)."""
+
+    batch: Batch
+    calls: list
+
+
 class BatchRollouts:
     """sync and one_step_off: the driver hands out tickets (group indices) round-robin, one batch
     at a time, and gets back each group's record; the groups stay in the object store, owned by
@@ -99,7 +108,8 @@ class BatchRollouts:
             for i, tickets, refs in pending:
                 try:
                     got = ray.get(refs[0], timeout=timeout)
-                except ray.exceptions.RayActorError as e:
+                except (ray.exceptions.RayActorError, WeightsNotReceived) as e:
+                    # died while generating, or restarted since the last publication (killed while idle)
                     self.weights.recover(i, e, run.version)
                     refs = self._generate(i, tickets)
                     got = ray.get(refs[0], timeout=timeout)
@@ -145,7 +155,7 @@ class Run:
         self.consumed_samples = 0
         self.produced_samples = 0  # batch modes (fully_async: the queue counts)
         self.skipped_groups = 0
-        self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async)
+        self.lost_groups = 0  # groups in flight on a rollout actor when it died (fully_async: regenerated)
         self.lost_samples = 0  # queued samples whose rollout actor died before they were trained (fully_async)
         self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_steps)
         self._reward_errors_seen: dict[int, int] = {}  # fully_async: per rollout actor, to count skipped groups
@@ -176,23 +186,36 @@ class Run:
     def train(self, records: list[GroupRecord]) -> dict[str, float] | None:
         """One data-parallel update on the batch (version + 1). Returns the step's metrics, or None
         when every group of the batch was skipped (counted in rewards/skipped_groups)."""
+        return self.finish_train(self.start_train(records))
+
+    def start_train(self, records: list[GroupRecord]) -> TrainStep | None:
+        """Advantages from the records' rewards; each trainer is sent the refs of its shard and
+        starts at once (the groups go from the object store to the trainers, not through here)."""
         if not records:
             return None
         batch = make_batch(records, self.version, self.cfg.algorithm)
         n = len(self.trainers)
         if len(batch.records) < n:  # nothing (or too little) to learn from: keep the weights, count it
-            return {**batch.metrics, "train/skipped_short_batch": 1.0}
+            return TrainStep(batch, [])
         calls = [trainer.train_step.remote([([r.ref], adv) for r, adv in shard], self.version)
                  for trainer, shard in zip(self.trainers, batch.shards(n))]
-        per_rank = ray.get(calls, timeout=self.cfg.ray.work_timeout_s)
-        metrics = {**reduce_metrics(per_rank), **batch.metrics}  # batch-wide reward stats, not per-shard means
+        return TrainStep(batch, calls)
+
+    def finish_train(self, step: TrainStep | None) -> dict[str, float] | None:
+        """Wait for a started update and count it."""
+        if step is None:
+            return None
+        if not step.calls:
+            return {**step.batch.metrics, "train/skipped_short_batch": 1.0}
+        per_rank = ray.get(step.calls, timeout=self.cfg.ray.work_timeout_s)
+        metrics = {**reduce_metrics(per_rank), **step.batch.metrics}  # batch-wide reward stats, not per-shard means
         lost = int(metrics.pop("samples/lost", 0))  # fully_async: queued groups die with their rollout actor
         self.lost_samples += lost
-        self.consumed_samples += batch.samples - lost
+        self.consumed_samples += step.batch.samples - lost
         self.trained_ticket_end = self.collected_ticket_end  # batch modes: resume regenerates from here
         self.step += 1
         self.version += 1
-        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * n)
+        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * len(step.calls))
         return metrics
 
     def _count_nonfinite(self, metrics: dict, updates: int) -> None:
@@ -208,6 +231,11 @@ class Run:
         metrics["train/nonfinite_steps"] = self.nonfinite.steps
 
     # -- after each step -----------------------------------------------------------------------
+    def needs_trainers_after(self, step: int) -> bool:
+        """Whether step `step`'s end uses the trainers' weights (evaluation, checkpoint): then the
+        next update must not be started before it."""
+        return self.schedule.evaluate(step) or self.schedule.checkpoint(step)
+
     def end_step(self, train_metrics: dict, extra: dict | None = None) -> None:
         """Save samples, evaluate, write the step's metrics row, checkpoint: each when scheduled."""
         if self.schedule.samples(self.step):

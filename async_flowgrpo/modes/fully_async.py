@@ -5,6 +5,15 @@ most max_staleness + 1 batches ahead of the published version), generate, score,
 record (the group itself waits in the object store). The trainer takes groups_per_step records
 whenever they are there, updates, and every sync.every updates publishes the weights; rollout
 actors swap them in between two denoising steps (or between groups) without aborting anything.
+
+Prefetch: while the trainers run update k, the next batch's records are taken from the queue, and
+update k + 1 starts right after k's weights are published, before step k is logged; so the
+trainers wait only for the publication. (Not when step k evaluates or checkpoints, which need the
+trainers' weights after exactly k updates, nor once a stop is requested.) The admission bound
+alone keeps staleness within max_staleness, whenever a batch is taken.
+
+Checkpoints hold the queued groups and the tickets in flight: a resumed run trains the first and
+regenerates the second before anything new, so a stop loses no finished rollout.
 """
 
 from __future__ import annotations
@@ -15,42 +24,59 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.driver.cluster import RunError
 from async_flowgrpo.driver.run import Run
 from async_flowgrpo.queue import make_queue_actor
+from async_flowgrpo.types import Group, GroupRecord
 
 
 def run(cfg: Config, actor_classes: dict | None = None) -> dict:
-    eta, gps, wait = cfg.algorithm.max_staleness, cfg.rollout.groups_per_step, cfg.ray.call_timeout_s
+    eta, gps, total = cfg.algorithm.max_staleness, cfg.rollout.groups_per_step, cfg.trainer.total_steps
+    wait, batch_wait = cfg.ray.call_timeout_s, cfg.ray.batch_wait_s
     with Run(cfg, actor_classes) as run:
         queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
-        run.checkpoint_extra = lambda: {"queue": ray.get(queue.state_dict.remote(), timeout=wait)}
+        run.checkpoint_extra = lambda: {"queue": saved_queue(queue, wait)}
         # the queue's first call waits for its worker process to start: as long as the other actors may
         ray.get(queue.set_version.remote(run.version), timeout=cfg.ray.start_timeout_s)
         if "queue" in run.resumed_state:
-            ray.get(queue.load_state_dict.remote(run.resumed_state["queue"]), timeout=wait)
+            ray.get(queue.load_state_dict.remote(restored_queue(run.resumed_state["queue"])), timeout=wait)
             ray.get(queue.set_version.remote(run.version), timeout=wait)
         loops = [rollout.run.remote(queue) for rollout in run.rollouts]
+
+        def restart_dead_loops() -> None:
+            for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
+                if ray.wait([loop], timeout=0)[0]:
+                    try:
+                        ray.get(loop)
+                        raise RunError(f"rollout actor {i} stopped generating")
+                    except ray.exceptions.RayActorError as e:
+                        lost = ray.get(queue.release_worker.remote(i, True), timeout=wait)  # its ticket is regenerated
+                        run.lost_groups += lost is not None
+                        run.recover_rollout(i, e)
+                        loops[i] = run.rollouts[i].run.remote(queue)
+
         try:
             run.evaluate_at_start()
-            while run.step < cfg.trainer.total_steps:
-                run.stop.check()  # SIGTERM/SIGINT: stop here, between two steps (at most ray.batch_wait_s late)
-                records = ray.get(queue.get_batch.remote(gps, cfg.ray.batch_wait_s), timeout=wait + cfg.ray.batch_wait_s)
-                for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
-                    if ray.wait([loop], timeout=0)[0]:
-                        try:
-                            ray.get(loop)
-                            raise RunError(f"rollout actor {i} stopped generating")
-                        except ray.exceptions.RayActorError as e:
-                            lost = ray.get(queue.release_worker.remote(i), timeout=wait)
-                            run.lost_groups += lost is not None
-                            run.recover_rollout(i, e)
-                            loops[i] = run.rollouts[i].run.remote(queue)
-                if not records:
-                    continue
-                metrics = run.train(records)
+            in_flight = None  # an update started on the trainers, not yet counted
+            while run.step < total:
+                if in_flight is None:
+                    run.stop.check()  # SIGTERM/SIGINT: only here, with no update in flight (at most batch_wait late)
+                    records = ray.get(queue.get_batch.remote(gps, batch_wait), timeout=wait + batch_wait)
+                    restart_dead_loops()
+                    if not records:
+                        continue
+                    in_flight = run.start_train(records)
+                prefetch = run.step + 1 < total and not run.needs_trainers_after(run.step + 1) and not run.stop.requested
+                next_batch = queue.get_batch.remote(gps, batch_wait) if prefetch else None
+                metrics = run.finish_train(in_flight)
+                in_flight = None
                 sync = {}
                 if run.step % cfg.sync.every == 0:
                     sync = run.publish_weights()
                     ray.get(queue.set_version.remote(run.version), timeout=wait)
-                run.end_step(metrics, {**ray.get(queue.stats.remote(), timeout=wait), **sync})
+                queue_stats = ray.get(queue.stats.remote(), timeout=wait)
+                if next_batch is not None:
+                    records = ray.get(next_batch, timeout=wait + batch_wait)
+                    restart_dead_loops()
+                    in_flight = run.start_train(records)  # a prefetched batch is always trained: it left the queue
+                run.end_step(metrics, {**queue_stats, **sync})
             return run.log.summary({})
         finally:
             # Stop producing, wake every waiter, let the loops return; what is left is counted as drained.
@@ -59,3 +85,23 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
             ray.get(queue.shutdown.remote(), timeout=wait)
             ray.wait(loops, num_returns=len(loops), timeout=cfg.ray.start_timeout_s)
             ray.get(queue.drain.remote(), timeout=wait)
+
+
+def saved_queue(queue, timeout: float) -> dict:
+    """The queue's state for a checkpoint, with the queued groups themselves (fetched from the
+    object store: the one time trajectories pass through the driver), so a resumed run trains them
+    instead of regenerating them. A group lost with its rollout actor is left out (counted drained)."""
+    state = ray.get(queue.state_dict.remote(), timeout=timeout)
+    groups = []
+    for record in state.pop("queued"):
+        try:
+            groups.append(ray.get(record.ref, timeout=timeout).to_state())
+        except ray.exceptions.ObjectLostError:
+            pass
+    return {**state, "queued_groups": groups}
+
+
+def restored_queue(saved: dict) -> dict:
+    """`saved_queue`'s state with its groups put back into the object store, as the queue holds them."""
+    groups = [Group.from_state(g) for g in saved.get("queued_groups", [])]
+    return {**saved, "queued": [GroupRecord.of(g, ray.put(g)) for g in groups]}

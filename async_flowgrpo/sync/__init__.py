@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from async_flowgrpo.config import SYNC_BUCKET_MB, SYNC_TIMEOUT_S
 from .base import DigestMismatchError, ReceiveResult, Receiver, SendResult, Sender, SyncStats, digest
 from .engine import WeightReceiver, WeightSender
 from .group import GroupAddress, WeightSyncGroup, free_port, new_address, node_ip
@@ -46,8 +47,8 @@ class Transport:
     """Picklable transport settings: build on the driver, ship to actors, call sender()/receiver() there."""
 
     name: str = "collective"
-    bucket_mb: float = 256.0
-    timeout_s: float = 1800.0
+    bucket_mb: float = SYNC_BUCKET_MB
+    timeout_s: float = SYNC_TIMEOUT_S
     device: str | None = None  # None: cuda if available else cpu (collective); cpu (object_store)
     verify: bool = True  # compute and check the digest
 
@@ -65,8 +66,8 @@ class Transport:
 def make_transport(
     name: str = "collective",
     *,
-    bucket_mb: float = 256.0,
-    timeout_s: float = 1800.0,
+    bucket_mb: float = SYNC_BUCKET_MB,
+    timeout_s: float = SYNC_TIMEOUT_S,
     device: str | None = None,
     verify: bool = True,
 ) -> Transport:

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
+from async_flowgrpo.config import SYNC_BUCKET_MB, SYNC_TIMEOUT_S
 from .base import DigestMismatchError, ReceiveResult, SendResult, StageHook, State, SyncStats, check_digest, digest
 from .buckets import Layout, TensorSpec, pack_bucket, plan, unpack
 from .group import GroupAddress, WeightSyncGroup, new_address
@@ -50,7 +51,7 @@ def decode_meta(raw: bytes) -> tuple[int, str, Layout]:
 
 
 class _Member:
-    def __init__(self, bucket_mb: float = 256.0, timeout_s: float = 1800.0, device: str | None = None, verify: bool = True):
+    def __init__(self, bucket_mb: float = SYNC_BUCKET_MB, timeout_s: float = SYNC_TIMEOUT_S, device: str | None = None, verify: bool = True):
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s, self.device, self.verify = timeout_s, device, verify
         self.group: WeightSyncGroup | None = None
@@ -73,7 +74,7 @@ class _Member:
 class WeightSender(_Member):
     """Rank 0. ``new_address()`` then ``connect()`` (concurrently with receivers), then ``send()``."""
 
-    def __init__(self, bucket_mb: float = 256.0, timeout_s: float = 1800.0, device: str | None = None, verify: bool = True):
+    def __init__(self, bucket_mb: float = SYNC_BUCKET_MB, timeout_s: float = SYNC_TIMEOUT_S, device: str | None = None, verify: bool = True):
         super().__init__(bucket_mb, timeout_s, device, verify)
         self._buffers: list[torch.Tensor] = []  # two send buffers, kept across syncs
 
@@ -120,7 +121,7 @@ class WeightSender(_Member):
 class WeightReceiver(_Member):
     """Rank >= 1. ``receive()`` blocks until the sender's next ``send()``; safe on any thread."""
 
-    def __init__(self, bucket_mb: float = 256.0, timeout_s: float = 1800.0, device: str | None = None, verify: bool = True):
+    def __init__(self, bucket_mb: float = SYNC_BUCKET_MB, timeout_s: float = SYNC_TIMEOUT_S, device: str | None = None, verify: bool = True):
         super().__init__(bucket_mb, timeout_s, device, verify)  # bucket_mb unused: the sender's layout rules
         self.stage_hook: StageHook | None = None  # tests: tamper with staged state before verification
         self._stream = None

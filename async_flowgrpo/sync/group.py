@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from async_flowgrpo.config import SYNC_TIMEOUT_S
+
 
 @dataclass(frozen=True)
 class GroupAddress:
@@ -96,7 +98,7 @@ class WeightSyncGroup:
         rank: int,
         world_size: int,
         device: torch.device | str | None = None,
-        timeout_s: float = 1800.0,
+        timeout_s: float = SYNC_TIMEOUT_S,
     ):
         self.address, self.rank, self.world_size = address, rank, world_size
         self.device = torch.device(device) if device is not None else default_device()

@@ -14,13 +14,14 @@ from typing import Any
 import ray
 import torch
 
+from async_flowgrpo.config import SYNC_TIMEOUT_S
 from .base import ReceiveResult, SendResult, StageHook, State, SyncStats, check_digest, digest
 
 _ZERO_COPY = os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "0").lower() in ("1", "true")
 
 
 class ObjectStoreSender:
-    def __init__(self, timeout_s: float = 1800.0, verify: bool = True):
+    def __init__(self, timeout_s: float = SYNC_TIMEOUT_S, verify: bool = True):
         self.timeout_s, self.verify = timeout_s, verify
         self._latest: ray.ObjectRef | None = None
 
@@ -43,7 +44,7 @@ class ObjectStoreSender:
 
 
 class ObjectStoreReceiver:
-    def __init__(self, timeout_s: float = 1800.0, device: str | None = None, verify: bool = True):
+    def __init__(self, timeout_s: float = SYNC_TIMEOUT_S, device: str | None = None, verify: bool = True):
         self.timeout_s, self.verify = timeout_s, verify
         self.device = torch.device(device) if device else None  # None: keep the CPU tensors ray.get returns
         self.stage_hook: StageHook | None = None
