@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--export-ema {args.export_ema}: no {snapshot} beside the state {state_path}")
         torch.nn.ModuleList([pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]).load_state_dict(
             load_state(snapshot))
-        dit_steps, stats = args.export_ema, {"exported_from": os.path.basename(snapshot)}
+        # the learning-rate schedule ran over --steps: pass the run's --steps to reproduce the snapshot
+        dit_steps, stats = args.export_ema, {"exported_from": os.path.basename(snapshot), "schedule_steps": args.steps}
     else:
         dit_steps, stats = train_dit(pipe, mean, std, caps, args.steps, remaining, args.batch, args.lr,
                                      args.caption_dropout, spec.shift, gen, state_path, args.save_every,
