@@ -417,11 +417,11 @@ def test_actor_state_dict_roundtrip(actor, restore_queued):
             assert await old.put(make_group(i, 0, n=3, worker_id=i))
         assert len(await old.get_batch(gps, timeout=5)) == gps
         await old.set_version(1)
-        return await old.state_dict(), await old.stats()
+        return {**await old.state_dict(), "queued": old.queue.queued()}, await old.stats()
 
     state, before = asyncio.run(run_old())
     assert [g.prompt_index for g in state["queued"]] == [2] and state["in_flight_tickets"] == [3]
-    if not restore_queued:
+    if not restore_queued:  # the resuming driver could not fetch it
         state["queued"] = []
     q = actor(capacity=8, groups_per_step=gps, max_staleness=eta)
     ray.get(q.load_state_dict.remote(state), timeout=T)
@@ -458,3 +458,19 @@ def test_a_dead_workers_ticket_is_reissued_first_and_a_failed_rewards_is_not():
         return [await q.acquire_ticket(w, timeout=0.1) for w in range(4)]
 
     assert asyncio.run(scenario()) == [1, 3, 4, None]  # then the admission limit (v + eta + 1) * 2 = 4
+
+
+def test_queued_groups_are_fetched_by_the_queue_for_a_checkpoint(actor):
+    """Producers queue records whose groups wait in the object store; for a checkpoint the queue
+    actor fetches the groups themselves and leaves the queue as it was."""
+    from async_flowgrpo.types import GroupRecord
+
+    q = actor(capacity=8, groups_per_step=2, max_staleness=1)
+    for i in range(3):
+        assert ray.get(q.acquire_ticket.remote(i, 5), timeout=T) == i
+        group = make_group(i, 0, n=2, worker_id=i)
+        group.rewards = torch.tensor([0.0, 1.0])
+        assert ray.get(q.put.remote(GroupRecord.of(group, ray.put(group)), 5), timeout=T)
+    groups = ray.get(q.queued_groups.remote(), timeout=T)
+    assert [g.prompt_index for g in groups] == [0, 1, 2] and all(isinstance(g, Group) for g in groups)
+    assert [r.prompt_index for r in ray.get(q.get_batch.remote(2, 5), timeout=T)] == [0, 1]

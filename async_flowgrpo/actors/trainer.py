@@ -16,6 +16,7 @@ store itself, so latents never pass through the driver.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -29,6 +30,8 @@ from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
 from async_flowgrpo.metrics import BusyTracker
+
+logger = logging.getLogger(__name__)
 
 
 def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
@@ -93,7 +96,8 @@ class TrainerActor:
             for ref, _ in shard:
                 try:
                     groups.append(ray.get(ref[0], timeout=timeout))
-                except ray.exceptions.ObjectLostError:
+                except ray.exceptions.ObjectLostError as e:
+                    logger.warning("group lost before training (%s): %s", type(e).__name__, str(e).splitlines()[0][:300])
                     groups.append(None)
         kept, lost = [], 0
         for group, (_, advantages) in zip(groups, shard):

@@ -88,17 +88,11 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
 
 
 def saved_queue(queue, timeout: float) -> dict:
-    """The queue's state for a checkpoint, with the queued groups themselves (fetched from the
-    object store: the one time trajectories pass through the driver), so a resumed run trains them
-    instead of regenerating them. A group lost with its rollout actor is left out (counted drained)."""
+    """The queue's state for a checkpoint, with the queued groups themselves (the one time
+    trajectories pass through the driver), so a resumed run trains them instead of regenerating them."""
     state = ray.get(queue.state_dict.remote(), timeout=timeout)
-    groups = []
-    for record in state.pop("queued"):
-        try:
-            groups.append(ray.get(record.ref, timeout=timeout).to_state())
-        except ray.exceptions.ObjectLostError:
-            pass
-    return {**state, "queued_groups": groups}
+    groups = ray.get(queue.queued_groups.remote(), timeout=timeout)
+    return {**state, "queued_groups": [g.to_state() for g in groups]}
 
 
 def restored_queue(saved: dict) -> dict:
