@@ -48,9 +48,9 @@ Extrapolation: the driver saturates one core when CPU per step x steps/s = 1, i.
 step). A least-squares fit of driver CPU per step = a + b N + c M over each mode's runs gives
 the saturation point as the rollout fleet grows.
 
-    python benchmarks/scale_sim.py                                   # the default grid, ~6 min here
-    python benchmarks/scale_sim.py --name trainers --rollouts 16 --trainers 1,2,4,8 --train-s 0.016
-    python benchmarks/scale_sim.py --modes fully_async --rollouts 2 --steps 3   # a quick look
+    python benchmarks/scale_sim.py                                   # the default grid: 14 runs, ~15 min on a busy 2-core machine
+    python benchmarks/scale_sim.py --name trainers --modes fully_async --rollouts 8 --trainers 1,2,4,8 --train-s 0.016
+    python benchmarks/scale_sim.py --name quick --modes fully_async --rollouts 2 --steps 5 --warmup 2   # a quick look
 
 Writes benchmarks/results/scale_sim/<name>.json and prints a table.
 """

@@ -114,7 +114,8 @@ def test_fully_async_stays_within_eta_and_counts_balance(runs):
     assert all(r["staleness/max"] <= 1 for r in rows)
     assert all(r["staleness/hist_over"] == 0 and r["staleness/hist_0"] + r["staleness/hist_1"] == 2 for r in rows)
     last = rows[-1]
-    # Every produced sample is consumed, dropped or still queued: nothing lost.
+    # Every produced sample is trained, dropped or still queued: nothing lost.
+    assert last["samples/lost"] == 0
     assert last["samples/produced"] == last["samples/consumed"] + last["samples/dropped_stale"] + last["queue/size_samples"]
 
 
@@ -252,7 +253,7 @@ def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_di
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     resumed = rows[3]
     assert resumed["groups/drained"] == 0  # nothing queued at the checkpoint was thrown away
-    assert resumed["samples/produced"] == resumed["samples/consumed"] + resumed["samples/dropped_stale"] + resumed["queue/size_samples"]
+    assert resumed["groups/produced"] == resumed["groups/consumed"] + resumed["groups/dropped_stale"] + resumed["queue/size"]
     assert rows[-1]["samples/consumed"] == 5 * 4 and rows[-1]["staleness/max"] <= 1
 
 
@@ -306,7 +307,8 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
         assert rows[-1]["samples/consumed"] == 4 * 4
     else:  # what died queued with the actor is counted, and the rest balances
         last = rows[-1]
-        assert last["samples/produced"] == last["samples/consumed"] + last["samples/dropped_stale"] + last["queue/size_samples"]
+        assert last["samples/produced"] == (last["samples/consumed"] + last["samples/lost"] + last["samples/dropped_stale"]
+                                            + last["queue/size_samples"])
 
 
 def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

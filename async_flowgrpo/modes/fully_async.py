@@ -41,8 +41,9 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
         loops = [rollout.run.remote(queue) for rollout in run.rollouts]
 
         def restart_dead_loops() -> None:
+            ended, _ = ray.wait(loops, num_returns=len(loops), timeout=0)
             for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
-                if ray.wait([loop], timeout=0)[0]:
+                if loop in ended:
                     try:
                         ray.get(loop)
                         raise RunError(f"rollout actor {i} stopped generating")
@@ -72,6 +73,8 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
                     sync = run.publish_weights()
                     ray.get(queue.set_version.remote(run.version), timeout=wait)
                 queue_stats = ray.get(queue.stats.remote(), timeout=wait)
+                # taken from the queue may include a prefetched batch: samples/consumed is the run's (trained)
+                queue_stats.pop("samples/consumed")
                 if next_batch is not None:
                     records = ray.get(next_batch, timeout=wait + batch_wait)
                     restart_dead_loops()
