@@ -143,6 +143,27 @@ def test_rendezvous_listens_only_where_asked():
         group.destroy()
 
 
+def test_trainers_rendezvous_listens_only_where_asked():
+    """The trainers' data-parallel store (rendezvous_store) is bound to loopback too, and a group
+    forms over it."""
+    import torch.distributed as dist
+
+    from async_flowgrpo.sync import free_port, rendezvous_store
+
+    port = free_port()
+    store = rendezvous_store("127.0.0.1", port, 0, 1, timeout_s=30)
+    listening = open("/proc/net/tcp").read().splitlines()[1:]
+    local = [line.split()[1] for line in listening if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"]
+    assert local == [f"0100007F:{port:04X}"], local
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+
+
 # --- Ray actors ---------------------------------------------------------------------------------
 
 

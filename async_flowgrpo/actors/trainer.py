@@ -30,6 +30,7 @@ from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
 from async_flowgrpo.gpu_monitor import GpuMonitor
 from async_flowgrpo.metrics import BusyTracker
+from async_flowgrpo.sync import rendezvous_store
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ class TrainerActor:
         torch.manual_seed(cfg.trainer.seed + rank)
         if world_size > 1 or self.sharded:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            host, port = dp_address
-            dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank, world_size=world_size)
+            host, port = dp_address  # listening on this address only (loopback on one node)
+            store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
         self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
         self.sender = transport.sender() if rank == 0 else None

@@ -124,7 +124,7 @@ class Cluster:
         except ray.exceptions.GetTimeoutError:
             raise RunError(f"the cluster cannot place {len(self.bundles)} actors with bundles {self.bundles} "
                            "(ray.address / *.gpus_per_worker)") from None
-        dp_address = (node_ip(), free_port())
+        dp_address = (sync_host(cfg) or node_ip(), free_port())  # the trainers' own rendezvous, like the weight sync's
         self.trainers = [
             self.trainer_actor.options(**self._placed(r.num_workers + i, t)).remote(cfg, i, t.num_workers, dp_address, self.transport)
             for i in range(t.num_workers)

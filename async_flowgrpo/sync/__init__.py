@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from async_flowgrpo.config import SYNC_BUCKET_MB, SYNC_TIMEOUT_S
 from .base import DigestMismatchError, ReceiveResult, Receiver, SendResult, Sender, SyncStats, digest
 from .engine import WeightReceiver, WeightSender
-from .group import GroupAddress, WeightSyncGroup, free_port, new_address, node_ip
+from .group import GroupAddress, WeightSyncGroup, free_port, new_address, node_ip, rendezvous_store
 from .object_store import ObjectStoreReceiver, ObjectStoreSender
 
 TRANSPORTS = ("collective", "object_store")
@@ -98,4 +98,5 @@ __all__ = [
     "make_transport",
     "new_address",
     "node_ip",
+    "rendezvous_store",
 ]

@@ -56,6 +56,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout_s: float = SYNC_TIMEOUT_S) -> dist.TCPStore:
+    """A TCPStore for a process group whose rank 0 listens on ``host`` only (torch's own
+    ``tcp://`` rendezvous listens on every interface, unauthenticated): pass it to
+    ``dist.init_process_group(store=...)``. Used by the trainers' data-parallel group."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listener = None
+    if rank == 0:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False,
+                         master_listen_fd=listener.detach() if listener is not None else None)
+
+
 _generation = 0
 _listeners: dict[int, socket.socket] = {}  # port -> the bound socket rank 0's store will serve on
 
