@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""Plot a run's metrics.jsonl: training reward (rolling mean) and eval metrics against step.
+"""Plot runs' metrics.jsonl: training reward (rolling mean) and eval metrics against step.
 
     python benchmarks/plot_run.py outputs/fully_async/metrics.jsonl [out.png]
+    python benchmarks/plot_run.py seed0/metrics.jsonl seed1/metrics.jsonl seed2/metrics.jsonl curve.png
+
+One file: every eval metric. Several (e.g. seeds of one command): the training reward and
+eval/accuracy of each, one colour per file.
 """
 
 import json
+import os
 import sys
 
 import matplotlib
@@ -12,24 +17,35 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+WINDOW = 10
+EVAL_KEYS = ("eval/reward", "eval/accuracy", "eval/color_ok", "eval/shape_ok", "eval/count_ok", "eval/position_ok")
 
-def main(path: str, out: str) -> None:
-    rows = [json.loads(line) for line in open(path)]
-    train = [r for r in rows if r.get("reward/mean") is not None]
-    evals = [r for r in rows if r.get("eval/reward") is not None]
-    window = 10
-    rolling = [sum(r["reward/mean"] for r in train[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(train))]
+
+def rolling(values: list[float]) -> list[float]:
+    return [sum(values[max(0, i - WINDOW + 1) : i + 1]) / min(i + 1, WINDOW) for i in range(len(values))]
+
+
+def main(paths: list[str], out: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
-    a.plot([r["step"] for r in train], [r["reward/mean"] for r in train], alpha=0.3, label="batch reward")
-    a.plot([r["step"] for r in train], rolling, label=f"rolling mean ({window})")
+    for n, path in enumerate(paths):
+        rows = [json.loads(line) for line in open(path)]
+        train = [r for r in rows if r.get("reward/mean") is not None]
+        evals = [r for r in rows if r.get("eval/reward") is not None]
+        name = os.path.basename(os.path.dirname(path)) or path
+        steps, rewards = [r["step"] for r in train], [r["reward/mean"] for r in train]
+        if len(paths) == 1:
+            a.plot(steps, rewards, alpha=0.3, label="batch reward")
+        a.plot(steps, rolling(rewards), color=f"C{n}", label=f"rolling mean ({WINDOW})" if len(paths) == 1 else name)
+        keys = EVAL_KEYS if len(paths) == 1 else ("eval/accuracy",)
+        for key in keys:
+            if any(key in r for r in evals):
+                color = {} if len(paths) == 1 else {"color": f"C{n}"}
+                b.plot([r["step"] for r in evals], [r.get(key) for r in evals], marker="o", label=key if len(paths) == 1 else name, **color)
     a.set_xlabel("trainer step")
     a.set_title("training reward")
-    a.legend()
-    for key in ("eval/reward", "eval/accuracy", "eval/color_ok", "eval/shape_ok", "eval/count_ok", "eval/position_ok"):
-        if any(key in r for r in evals):
-            b.plot([r["step"] for r in evals], [r.get(key) for r in evals], marker="o", label=key)
+    a.legend(fontsize=7)
     b.set_xlabel("trainer step")
-    b.set_title("evaluation (ODE, fixed seeds, held-out prompts)")
+    b.set_title("evaluation (ODE, fixed seeds, held-out prompts)" if len(paths) == 1 else "held-out eval/accuracy")
     b.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
@@ -37,4 +53,6 @@ def main(path: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "run.png")
+    args = sys.argv[1:]
+    pngs = [p for p in args if p.endswith(".png")]
+    main([p for p in args if not p.endswith(".png")], pngs[-1] if pngs else "run.png")
