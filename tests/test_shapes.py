@@ -330,7 +330,8 @@ def test_reward_score_modes_follow_the_checks():
     images = torch.from_numpy(np.stack([render(asked, rng), render(caption_to_spec("three red circles"), rng)]))
     meta = [{"spec": asked.to_dict()}] * 2
     prompts = [spec_to_caption(asked)] * 2
-    partial = shapes_reward(images, prompts, meta)
+    partial = shapes_reward(images, prompts, meta, score="partial")
+    assert torch.equal(shapes_reward(images, prompts, meta)["score"], shapes_reward(images, prompts, meta, score="correct")["score"])
     checks = shapes_reward(images, prompts, meta, score="checks")
     correct = shapes_reward(images, prompts, meta, score="correct")
     assert correct["score"].tolist() == [1.0, 0.0] and torch.equal(correct["score"], partial["correct"])
