@@ -18,15 +18,18 @@ train     ours  = ``Learner.train_step`` on a batch of groups generated once by 
 
 Every round runs both contenders, alternating which goes first (ABBA), after ``--warmup``
 unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the
-wall time; per phase: ours/plain as the ratio of medians and as the median of the per-round
-ratios (paired, less sensitive to the machine's drift). Then each contender of each phase runs
+wall time and of the process's CPU time (with one thread, CPU time leaves out the time other
+processes take the core away: on a shared machine the steadier clock); per phase: ours/plain as
+the ratio of medians and as the median of the per-round ratios (paired, less sensitive to the
+machine's drift). Then each contender of each phase runs
 once more under cProfile: the time split into transformer forward, backward, text encoding, VAE
 decode, optimizer step and the rest, and ours' top functions by own time.
 
     python benchmarks/phases.py                                   # embedded model, the issue's work: ~2 min
     python benchmarks/phases.py --out benchmarks/results/phases/after.json
-    python benchmarks/phases.py --real-size                       # random-init wider SD3, ~4 min
+    python benchmarks/phases.py --real-size                       # random-init wider SD3, ~5 min
     python benchmarks/phases.py --model /path/to/sd3 --prompts 2 --group-size 4 --window 2
+    python benchmarks/phases.py --pool run1.json run2.json --out pooled.json   # rounds of runs as one
 
 Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
 CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 (36 forward+backward
@@ -64,20 +67,21 @@ PROMPTS = (
     "a purple square",
 )
 
-# --real-size: a random-init SD3 with the real architecture at widths where one denoising step of
-# the 16-sample CFG batch (32 rows) takes about a second on one CPU thread. 64 px images through
-# a 2-level VAE: 32x32 latents, 256 image tokens; hidden 384 = 6 heads x 64; 8 MMDiT blocks
-# (~25M transformer parameters); 16 latent channels as real SD3.
+# --real-size: a random-init SD3 with the real architecture (16 latent channels, CLIP pair, T5
+# slot), wider and longer than the embedded model (hidden 64, 4 blocks, 64 image + 13 text tokens)
+# at sizes where one denoising step of the 16-sample CFG batch (32 rows) takes about 0.8 s on one
+# CPU thread: 48 px images through a 2-level VAE -> 24x24 latents, 144 image tokens + 48 text
+# tokens, hidden 256 = 4 heads x 64, 4 MMDiT blocks, ~9M transformer parameters.
 REAL_SIZE_SPEC = dict(
-    resolution=64,
+    resolution=48,
     text_hidden=128,
     text_layers=2,
     text_max_length=32,
     t5_max_length=16,
     vae_channels=(32, 64),
     latent_channels=16,
-    layers=8,
-    heads=6,
+    layers=4,
+    heads=4,
     head_dim=64,
     pooled_dim=256,
 )
@@ -105,21 +109,26 @@ def compare(ours: list[float], plain: list[float]) -> dict:
     }
 
 
-def run_rounds(contenders: dict, rounds: int, warmup: int) -> dict[str, list[float]]:
-    """Both contenders per round, alternating which runs first; warm-up rounds not recorded."""
+def run_rounds(contenders: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Both contenders per round, alternating which runs first; warm-up rounds not recorded.
+    Returns wall times and CPU times (this process's, all threads): with one torch thread the
+    CPU time leaves out the time other processes took the core from us, the main noise on a
+    shared 2-core machine."""
     names = list(contenders)
-    times = {n: [] for n in names}
+    wall, cpu = {n: [] for n in names}, {n: [] for n in names}
     for r in range(warmup + rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             contenders[name](r)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if r >= warmup:
-                times[name].append(dt)
+                wall[name].append(dt)
+                cpu[name].append(dc)
         if r >= warmup:
-            log("  round %d: %s" % (r - warmup, ", ".join(f"{n} {times[n][-1]:.3f}s" for n in names)))
-    return times
+            log("  round %d: %s" % (r - warmup, ", ".join(
+                f"{n} {wall[n][-1]:.3f}s (cpu {cpu[n][-1]:.3f}s)" for n in names)))
+    return wall, cpu
 
 
 # ------------------------------------------------------------------------------------------ profile
@@ -291,7 +300,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--top", type=int, default=12, help="profile rows")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/phases/<name>.json)")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: pool the rounds of earlier runs (same settings) into one table")
     args = ap.parse_args(argv)
+    if args.pool:
+        return write(pool(args.pool), args.out)
 
     defaults = dict(prompts=4, group_size=8, window=None, rounds=5)
     if args.real_size:
@@ -341,33 +354,77 @@ def main(argv=None) -> dict:
                 contenders, n_samples, passes = train_contenders(policy, prompts, args)
                 extra = {"forward_backward_passes": passes}
             log(f"{phase}: {args.warmup} warm-up + {args.rounds} rounds")
-            times = run_rounds(contenders, args.rounds, args.warmup)
-            entry = {name: summarize(t) for name, t in times.items()}
-            entry.update(compare(times["ours"], times["plain"]), **extra)
+            wall, cpu = run_rounds(contenders, args.rounds, args.warmup)
+            entry = {name: summarize(t) for name, t in wall.items()}
+            entry.update(compare(wall["ours"], wall["plain"]), **extra)
+            entry["cpu"] = {name: summarize(t) for name, t in cpu.items()}
+            entry["cpu"].update(compare(cpu["ours"], cpu["plain"]))
             if not args.no_profile:
                 entry["profile"] = {name: profile(lambda f=f: f(10_000), args.top) for name, f in contenders.items()}
             result["phases"][phase] = entry
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+    result["machine"]["load_average_at_end"] = list(os.getloadavg())
+    return write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> dict:
     print(report(result))
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
             json.dump(result, f, indent=2)
-        log(f"wrote {args.out}")
+        log(f"wrote {out}")
+    return result
+
+
+def pool(files: list[str]) -> dict:
+    """The rounds of several runs as one: times concatenated, statistics recomputed; settings,
+    model and profiles from the first file (the settings must agree, except the round counts)."""
+    runs = []
+    for path in files:
+        with open(path) as f:
+            runs.append(json.load(f))
+    ignore = {"rounds", "warmup", "top", "no_profile", "pool"}
+    first = {k: v for k, v in runs[0]["settings"].items() if k not in ignore}
+    for path, run in zip(files, runs):
+        if {k: v for k, v in run["settings"].items() if k not in ignore} != first:
+            raise SystemExit(f"--pool: {path} was run with other settings than {files[0]}")
+    result = {k: v for k, v in runs[0].items() if k != "phases"}
+    result["pooled_from"] = [os.path.basename(p) for p in files]
+    result["machine"]["load_average_per_run"] = [[r["machine"].get("load_average_at_start"),
+                                                  r["machine"].get("load_average_at_end")] for r in runs]
+    result["phases"] = {}
+    for phase, e0 in runs[0]["phases"].items():
+        entry = {}
+        for clock in ("wall", "cpu"):
+            times = {n: [t for r in runs for t in (r["phases"][phase] if clock == "wall" else r["phases"][phase]["cpu"])[n]["times_s"]]
+                     for n in ("ours", "plain")}
+            d = {n: summarize(t) for n, t in times.items()}
+            d.update(compare(times["ours"], times["plain"]))
+            if clock == "wall":
+                entry.update(d)
+            else:
+                entry["cpu"] = d
+        for key in ("forward_backward_passes", "profile"):
+            if key in e0:
+                entry[key] = e0[key]
+        result["phases"][phase] = entry
     return result
 
 
 def report(result: dict) -> str:
     out = io.StringIO()
     w = out.write
-    w("\nphase    contender  median_s   min_s   max_s   iqr_s   ours/plain (medians | paired)\n")
+    w("\nphase    contender clock  median_s   min_s   max_s   iqr_s   ours/plain (medians | paired)\n")
     for phase, e in result["phases"].items():
-        for name in ("ours", "plain"):
-            s = e[name]
-            ratio = f"{e['ratio_of_medians']:.3f} | {e['median_paired_ratio']:.3f}" if name == "ours" else ""
-            w(f"{phase:8s} {name:9s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} {s['iqr_s']:7.3f}   {ratio}\n")
+        for clock, d in (("wall", e), ("cpu", e["cpu"])):
+            for name in ("ours", "plain"):
+                s = d[name]
+                ratio = f"{d['ratio_of_medians']:.3f} | {d['median_paired_ratio']:.3f}" if name == "ours" else ""
+                w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
+                  f"{s['iqr_s']:7.3f}   {ratio}\n")
     for phase, e in result["phases"].items():
         if "profile" not in e:
             continue

@@ -177,3 +177,7 @@ def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path)
         prof = phase["profile"]["ours"]
         assert prof["buckets_s"]["transformer forward"] > 0 and len(prof["top_tottime"]) == 3
     assert result["phases"]["train"]["profile"]["ours"]["buckets_s"]["backward"] > 0
+    assert len(result["phases"]["rollout"]["cpu"]["ours"]["times_s"]) == 2
+    pooled = phases.main(["--pool", str(out), str(out), "--out", str(tmp_path / "pooled.json")])
+    assert len(pooled["phases"]["train"]["plain"]["times_s"]) == len(pooled["phases"]["train"]["cpu"]["ours"]["times_s"]) == 4
+    assert pooled["phases"]["train"]["ratio_of_medians"] == pytest.approx(train["ratio_of_medians"])
