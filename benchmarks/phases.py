@@ -22,7 +22,7 @@ wall time and of the process's CPU time (with one thread, CPU time leaves out th
 processes take the core away: on a shared machine the steadier clock); per phase: ours/plain as
 the ratio of medians and as the median of the per-round ratios (paired, less sensitive to the
 machine's drift). Then each contender of each phase runs
-once more under cProfile: the time split into transformer forward, backward, text encoding, VAE
+once more under cProfile (timed by CPU time): the time split into transformer forward, backward, text encoding, VAE
 decode, optimizer step and the rest, and ours' top functions by own time.
 
     python benchmarks/phases.py                                   # embedded model, the issue's work: ~2 min
@@ -143,7 +143,7 @@ BUCKETS = {
 
 
 def profile(fn, top: int) -> dict:
-    prof = cProfile.Profile()
+    prof = cProfile.Profile(time.process_time)  # CPU time: steadier than wall time on a shared machine
     t0 = time.perf_counter()
     prof.enable()
     fn()
@@ -428,7 +428,7 @@ def report(result: dict) -> str:
     for phase, e in result["phases"].items():
         if "profile" not in e:
             continue
-        w(f"\nprofile, {phase} (cProfile, one run each; seconds, inflated by the profiler):\n")
+        w(f"\nprofile, {phase} (cProfile on CPU time, one run each; seconds, inflated by the profiler):\n")
         names = list(e["profile"])
         w(f"  {'bucket':22s}" + "".join(f"{n:>10s}" for n in names) + "\n")
         for bucket in list(BUCKETS) + ["rest"]:
