@@ -101,6 +101,7 @@ class Learner:
         self.mini_batches = mini_batches
         self.uncond_grad = uncond_grad
         self.grad_all_reduce = grad_all_reduce
+        self._cond_cache: tuple[tuple[int, ...], list[Tensor | None]] | None = None
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: Flow-GRPO's policy is the trained one."""
@@ -134,12 +135,22 @@ class Learner:
             for j in range(max(samples[i].num_steps for i in micro)):
                 yield [i for i in micro if samples[i].num_steps > j], j
 
+    def _cond(self, samples: list[_Sample], sel: list[int]) -> list[Tensor | None]:
+        """The micro-batch's conditioning, stacked and on the device once for all its steps (the
+        same for every step j while `sel` stays the same; one entry, cleared after train_step)."""
+        key = tuple(sel)
+        if self._cond_cache is None or self._cond_cache[0] != key:
+            dev = self.policy.device
+            cond = [_stack([samples[i].cond[c] for i in sel]) for c in range(4)]
+            self._cond_cache = (key, [None if t is None else t.to(dev) for t in cond])
+        return self._cond_cache[1]
+
     def _forward(self, samples: list[_Sample], sel: list[int], j: int, sampling, with_ref: bool):
         guidance_scale, noise_level, sde_type = sampling
         batch = [samples[i] for i in sel]
         sigma = torch.stack([s.sigmas[j] for s in batch])
         sigma_next = torch.stack([s.sigmas[j + 1] for s in batch])
-        cond = [_stack([s.cond[c] for s in batch]) for c in range(4)]
+        cond = self._cond(samples, sel)
         log_prob, mean, std, ref_mean = self.policy.recompute(
             torch.stack([s.latents[j] for s in batch]),
             torch.stack([s.latents[j + 1] for s in batch]),
@@ -160,6 +171,12 @@ class Learner:
     # ------------------------------------------------------------------ update
 
     def train_step(self, groups: list[Group], version: int) -> dict[str, float]:
+        try:
+            return self._train_step(groups, version)
+        finally:
+            self._cond_cache = None  # do not keep a batch's embeddings alive between updates
+
+    def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
         samples = self._samples(groups)
         sampling = self._sampling(groups)
@@ -167,6 +184,7 @@ class Learner:
             raise ValueError(f"{len(samples)} samples cannot fill {self.mini_batches} mini-batches")
         minis = [c.tolist() for c in torch.arange(len(samples)).tensor_split(self.mini_batches)]
         dev = self.policy.device
+        fresh_sample = [bool((s.versions == version).all()) for s in samples]  # every step at `version`
 
         # log-probs under the weights at the start of the update, per (sample, step)
         start_logp: dict[tuple[int, int], Tensor] = {}
@@ -208,12 +226,12 @@ class Learner:
                 mb_ratios.append(torch.exp(log_prob.detach() - prox))
                 mb_weights.append(algo.importance_weights(prox, behav, self.is_cap))
                 at_start = prox if self.prox_mode == "recompute" else (log_prob.detach() if mi == 0 else None)
-                fresh = [k for k, i in enumerate(sel) if bool((samples[i].versions == version).all())]
+                fresh = [k for k, i in enumerate(sel) if fresh_sample[i]]
                 if at_start is not None and fresh:
                     fresh_diffs.append((at_start[fresh] - behav[fresh]).abs().max())
 
             for p in self.params:
-                if p.grad is None:
+                if p.grad is None:  # unused this mini-batch (or the first backward left none)
                     p.grad = torch.zeros_like(p)
             if self.grad_all_reduce is not None:
                 self.grad_all_reduce(self.params)
@@ -229,7 +247,10 @@ class Learner:
                 samples_trained += len(mini)
                 ratios += mb_ratios
                 weights += mb_weights
-            self.optimizer.zero_grad(set_to_none=False)
+            # set_to_none: the next mini-batch's first backward writes its gradient instead of
+            # adding it to zeros (no memset of every grad, no extra read); the loop above still
+            # gives every parameter a .grad before the reduce, so the math is unchanged
+            self.optimizer.zero_grad(set_to_none=True)
 
         metrics = self._batch_metrics(groups, version)
         metrics["train/skipped_nonfinite"] = float(skipped)

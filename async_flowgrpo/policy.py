@@ -32,6 +32,12 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def _own(t: Tensor) -> Tensor:
+    """A CPU tensor with its own storage: on CPU, `t[g].cpu()` would be a view of the whole
+    batch, and pickling a view (Ray's object store) ships the whole storage with every group."""
+    return t.to("cpu", copy=True)
+
+
 class DiffusionPolicy:
     def __init__(
         self,
@@ -194,6 +200,9 @@ class DiffusionPolicy:
             x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen)
         x = x.to(self.device)
 
+        # the window's latents and log-probs stay on the device until the loop ends: a .cpu() per
+        # step would synchronise an accelerator every step (each step's tensors are new ones, so
+        # keeping references is safe)
         recorded, log_probs, versions, step_versions = [], [], [], []
         for i in range(num_steps):
             version = int(version_fn())  # outside no_grad: the hook may copy new weights in
@@ -202,13 +211,13 @@ class DiffusionPolicy:
                 v = self.adapter.velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
                 if start <= i < end:
                     if i == start:
-                        recorded.append(x.cpu())
+                        recorded.append(x)
                     eps = torch.randn(x.shape, generator=gen).to(self.device)
                     x, log_prob, _, _ = algo.sde_step(
                         v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, sde_type=sde_type, noise=eps
                     )
-                    recorded.append(x.cpu())
-                    log_probs.append(log_prob.cpu())
+                    recorded.append(x)
+                    log_probs.append(log_prob)
                     versions.append(version)
                 else:
                     x = algo.ode_step(v, x, sigmas[i], sigmas[i + 1])
@@ -218,11 +227,11 @@ class DiffusionPolicy:
         if end == start:
             # no window: record the final latent (sigma 0), which every denoising step made; it is all
             # DiffusionNFT trains on (and evaluation ignores it)
-            recorded, versions, recorded_sigmas = [x.cpu()], step_versions, sigmas[-1:]
+            recorded, versions, recorded_sigmas = [x], step_versions, sigmas[-1:]
         else:
             recorded_sigmas = sigmas[start : end + 1]
-        all_latents = torch.stack(recorded, 1)
-        all_logp = torch.stack(log_probs, 1) if log_probs else torch.empty(x.shape[0], 0)
+        all_latents = torch.stack(recorded, 1).cpu()
+        all_logp = torch.stack(log_probs, 1).cpu() if log_probs else torch.empty(x.shape[0], 0)
         params = SamplingParams(
             num_steps=num_steps,
             guidance_scale=guidance_scale,
@@ -247,12 +256,12 @@ class DiffusionPolicy:
                     log_probs=all_logp[g * n : (g + 1) * n].clone(),
                     versions=torch.tensor(versions, dtype=torch.long),
                     images=images[g * n : (g + 1) * n].clone(),
-                    prompt_embeds=enc.embeds[g].cpu(),
-                    pooled_prompt_embeds=enc.pooled[g].cpu(),
+                    prompt_embeds=_own(enc.embeds[g]),
+                    pooled_prompt_embeds=_own(enc.pooled[g]),
                     # None also under guidance for guidance-distilled models (Flux-dev): no CFG batch
-                    negative_prompt_embeds=enc.negative_embeds[g].cpu() if enc.negative_embeds is not None else None,
+                    negative_prompt_embeds=_own(enc.negative_embeds[g]) if enc.negative_embeds is not None else None,
                     negative_pooled_prompt_embeds=(
-                        enc.negative_pooled[g].cpu() if enc.negative_pooled is not None else None
+                        _own(enc.negative_pooled[g]) if enc.negative_pooled is not None else None
                     ),
                     seed=seed,
                     time_generate_s=elapsed,

@@ -66,6 +66,14 @@ def test_loads_through_load_adapter_and_records_groups(family):
         assert mask.shape == (policy.adapter.max_sequence_length,) and set(mask.tolist()) == {0.0, 1.0}
 
 
+def test_adapter_device_and_dtype_are_the_transformers(family):
+    """The adapters cache diffusers' (slow) device / dtype lookup; the answer must be the same."""
+    adapter = family["policy"].adapter
+    transformer = adapter.transformer
+    assert adapter.device == transformer.device and adapter.dtype == transformer.dtype
+    assert adapter._placement[0] is transformer  # cached after the first velocity call
+
+
 def test_lora_targets_exist(family):
     transformer = family["policy"].adapter.transformer
     names = [n for n, _ in transformer.named_modules()]

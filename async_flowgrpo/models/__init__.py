@@ -18,6 +18,33 @@ _FAMILIES = {
 }
 
 
+class TransformerPlacement:
+    """`device` and `dtype` of the adapter's transformer, looked up once (mixin for the adapters).
+
+    diffusers' ModelMixin.device / .dtype walk every submodule on each access (group-offloading
+    and layerwise-casting hooks): about 3 ms per access on the LoRA-wrapped embedded model, paid
+    four or five times per velocity call, 10-15% of a CPU rollout or train step. The policy never
+    moves or casts its transformer after loading (FSDP shards it in place: same device, same
+    master dtype), so the first answer stays right; a different transformer object (a pipeline
+    whose transformer was replaced) is looked up afresh."""
+
+    _placement: tuple | None = None
+
+    def _placed(self) -> tuple:
+        transformer = self.transformer
+        if self._placement is None or self._placement[0] is not transformer:
+            self._placement = (transformer, transformer.device, transformer.dtype)
+        return self._placement
+
+    @property
+    def device(self) -> torch.device:
+        return self._placed()[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._placed()[2]
+
+
 def combine_guidance(v: torch.Tensor, guidance_scale: float, *, uncond_grad: bool = True) -> torch.Tensor:
     """Classifier-free guidance from one batch [unconditional; conditional]: v_u + g (v_c - v_u).
 

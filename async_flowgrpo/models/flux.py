@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import check_model_dir, combine_guidance
+from async_flowgrpo.models import TransformerPlacement, check_model_dir, combine_guidance
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
@@ -91,7 +91,7 @@ def load_pipeline(cls, path: str, *, device: torch.device, dtype: torch.dtype, *
     return pipe
 
 
-class FluxAdapter:
+class FluxAdapter(TransformerPlacement):
     family = "flux"
     lora_target_modules = FLUX_LORA_TARGETS
 
@@ -122,14 +122,6 @@ class FluxAdapter:
     def frozen_modules(self) -> list[nn.Module]:
         p = self.pipeline
         return [m for m in (p.vae, p.text_encoder, p.text_encoder_2) if m is not None]
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
 
     @property
     def guidance_distilled(self) -> bool:

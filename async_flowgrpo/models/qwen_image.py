@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import combine_guidance
+from async_flowgrpo.models import TransformerPlacement, combine_guidance
 from async_flowgrpo.models.flux import flow_sigmas, load_pipeline, pack_latents, unpack_latents
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
@@ -48,7 +48,7 @@ DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the pipeline's default
 DEFAULT_NEGATIVE_PROMPT = " "
 
 
-class QwenImageAdapter:
+class QwenImageAdapter(TransformerPlacement):
     family = "qwen_image"
     lora_target_modules = QWEN_IMAGE_LORA_TARGETS
 
@@ -83,14 +83,6 @@ class QwenImageAdapter:
     def frozen_modules(self) -> list[nn.Module]:
         p = self.pipeline
         return [m for m in (p.vae, p.text_encoder) if m is not None]
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
 
     def sigmas(self, num_steps: int, *, height: int | None = None, width: int | None = None) -> Tensor:
         """Length num_steps + 1, with the dynamic shift for an image of height x width (default:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import check_model_dir, combine_guidance
+from async_flowgrpo.models import TransformerPlacement, check_model_dir, combine_guidance
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
 # peft target modules: the joint-attention projections of every MMDiT block (image and text
@@ -40,7 +40,7 @@ class PromptEmbeds:
     negative_pooled: Tensor | None = None
 
 
-class SD3Adapter:
+class SD3Adapter(TransformerPlacement):
     family = "sd3"
     lora_target_modules = SD3_LORA_TARGETS
 
@@ -80,14 +80,6 @@ class SD3Adapter:
     def frozen_modules(self) -> list[nn.Module]:
         p = self.pipeline
         return [m for m in (p.vae, p.text_encoder, p.text_encoder_2, p.text_encoder_3) if m is not None]
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
 
     def sigmas(self, num_steps: int, *, height: int | None = None, width: int | None = None) -> Tensor:
         """s_0 = 1 > ... > s_{N-1} > s_N = 0 as float32 on CPU, length num_steps + 1, with the

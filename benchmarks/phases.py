@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""Per-phase speed: our rollout and our trainer step against plain diffusers / torch doing the same work.
+
+Two phases, each with two contenders run interleaved in one process on one model:
+
+rollout   ours  = ``DiffusionPolicy.generate`` (Flow-GRPO sampling: SDE window with per-step
+                  log-probs recorded, ODE steps outside it, VAE decode to uint8 images)
+          plain = ``StableDiffusion3Pipeline.__call__`` on the *same* pipeline object (same
+                  transformer, LoRA adapters included, same text encoders and VAE), same prompts,
+                  images per prompt, steps, CFG, resolution and T5 length, progress bar off,
+                  ``output_type`` pt (decoded; ``--output-type latent`` skips the VAE)
+train     ours  = ``Learner.train_step`` on a batch of groups generated once by ours
+          plain = a bare loop over the same transformer forward+backward passes on the same
+                  tensors: the same micro-batches of samples and, for each, every recorded step
+                  (one CFG-batched forward [uncond; cond] per pass, the CFG combine, a squared
+                  error to the recorded next latent as the loss, backward), then one AdamW step
+                  on the same trainable parameters and zero_grad(set_to_none=True)
+
+Every round runs both contenders, alternating which goes first (ABBA), after ``--warmup``
+unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the
+wall time and of the process's CPU time (with one thread, CPU time leaves out the time other
+processes take the core away: on a shared machine the steadier clock); per phase: ours/plain as
+the ratio of medians and as the median of the per-round ratios (paired, less sensitive to the
+machine's drift). Then each contender of each phase runs
+once more under cProfile (timed by CPU time): the time split into transformer forward, backward, text encoding, VAE
+decode, optimizer step and the rest, and ours' top functions by own time.
+
+    python benchmarks/phases.py                                   # embedded model, the issue's work: ~2 min
+    python benchmarks/phases.py --out benchmarks/results/phases/after.json
+    python benchmarks/phases.py --real-size                       # random-init wider SD3, ~5 min
+    python benchmarks/phases.py --model /path/to/sd3 --prompts 2 --group-size 4 --window 2
+    python benchmarks/phases.py --pool run1.json run2.json --out pooled.json   # rounds of runs as one
+
+Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
+CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 (36 forward+backward
+passes per train step), one torch thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402  (offline / no-wandb environment defaults)
+from common import log  # noqa: E402
+
+PROMPTS = (
+    "a red circle",
+    "two blue squares",
+    "a green triangle left of a yellow circle",
+    "three purple circles",
+    "a cyan square above a red triangle",
+    "two yellow triangles",
+    "a blue circle below a green square",
+    "a purple square",
+)
+
+# --real-size: a random-init SD3 with the real architecture (16 latent channels, CLIP pair, T5
+# slot), wider and longer than the embedded model (hidden 64, 4 blocks, 64 image + 13 text tokens)
+# at sizes where one denoising step of the 16-sample CFG batch (32 rows) takes about 0.8 s on one
+# CPU thread: 48 px images through a 2-level VAE -> 24x24 latents, 144 image tokens + 48 text
+# tokens, hidden 256 = 4 heads x 64, 4 MMDiT blocks, ~9M transformer parameters.
+REAL_SIZE_SPEC = dict(
+    resolution=48,
+    text_hidden=128,
+    text_layers=2,
+    text_max_length=32,
+    t5_max_length=16,
+    vae_channels=(32, 64),
+    latent_channels=16,
+    layers=4,
+    heads=4,
+    head_dim=64,
+    pooled_dim=256,
+)
+# the work scaled down so that the whole benchmark stays at a few minutes
+REAL_SIZE_WORK = dict(prompts=2, group_size=8, window=4, rounds=3)
+
+
+# ------------------------------------------------------------------------------------------ stats
+def summarize(times: list[float]) -> dict:
+    q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "max_s": max(times),
+        "iqr_s": q[2] - q[0],
+        "times_s": times,
+    }
+
+
+def compare(ours: list[float], plain: list[float]) -> dict:
+    return {
+        "ratio_of_medians": statistics.median(ours) / statistics.median(plain),
+        "median_paired_ratio": statistics.median(o / p for o, p in zip(ours, plain)),
+        "paired_ratios": [o / p for o, p in zip(ours, plain)],
+    }
+
+
+def run_rounds(contenders: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Both contenders per round, alternating which runs first; warm-up rounds not recorded.
+    Returns wall times and CPU times (this process's, all threads): with one torch thread the
+    CPU time leaves out the time other processes took the core from us, the main noise on a
+    shared 2-core machine."""
+    names = list(contenders)
+    wall, cpu = {n: [] for n in names}, {n: [] for n in names}
+    for r in range(warmup + rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            t0, c0 = time.perf_counter(), time.process_time()
+            contenders[name](r)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if r >= warmup:
+                wall[name].append(dt)
+                cpu[name].append(dc)
+        if r >= warmup:
+            log("  round %d: %s" % (r - warmup, ", ".join(
+                f"{n} {wall[n][-1]:.3f}s (cpu {cpu[n][-1]:.3f}s)" for n in names)))
+    return wall, cpu
+
+
+# ------------------------------------------------------------------------------------------ profile
+# (file suffix, function name) -> bucket; cumulative times, the buckets never nest in each other
+BUCKETS = {
+    "transformer forward": [("transformer_sd3.py", "forward")],
+    "backward": [("autograd/__init__.py", "backward")],
+    "text encoding": [("pipeline_stable_diffusion_3.py", "encode_prompt")],
+    "vae decode": [("autoencoder_kl.py", "decode")],
+    "optimizer step": [("adamw.py", "step"), ("optimizer.py", "wrapper")],
+}
+
+
+def profile(fn, top: int) -> dict:
+    prof = cProfile.Profile(time.process_time)  # CPU time: steadier than wall time on a shared machine
+    t0 = time.perf_counter()
+    prof.enable()
+    fn()
+    prof.disable()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    total = max(v[3] for v in stats.stats.values())  # the outermost call's cumulative time
+    buckets = {}
+    for bucket, keys in BUCKETS.items():
+        cum = 0.0
+        for (file, _, func), (_, _, _, ct, _) in stats.stats.items():
+            if any(file.endswith(f) and func == name for f, name in keys):
+                cum = max(cum, ct) if bucket == "optimizer step" else cum + ct
+        buckets[bucket] = cum
+    buckets["rest"] = total - sum(buckets.values())
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    top_rows = [
+        {
+            "function": f"{os.path.relpath(file, common.REPO) if file.startswith(common.REPO) else _short(file)}:{line}({func})",
+            "calls": nc,
+            "tottime_s": tt,
+            "cumtime_s": ct,
+        }
+        for (file, line, func), (_, nc, tt, ct, _) in rows
+    ]
+    ours_rows = sorted(
+        (kv for kv in stats.stats.items() if "async_flowgrpo" in kv[0][0]), key=lambda kv: -kv[1][3]
+    )[:top]
+    ours_top = [
+        {"function": f"{_short(file)}:{line}({func})", "calls": nc, "tottime_s": tt, "cumtime_s": ct}
+        for (file, line, func), (_, nc, tt, ct, _) in ours_rows
+    ]
+    return {"wall_s_profiled": wall, "total_s": total, "buckets_s": buckets, "top_tottime": top_rows,
+            "top_ours_cumtime": ours_top}
+
+
+def _short(file: str) -> str:
+    for marker in ("site-packages/", "async_flowgrpo/"):
+        if marker in file:
+            return (("async_flowgrpo/" if marker == "async_flowgrpo/" else "") + file.split(marker, 1)[1])
+    return file
+
+
+# ------------------------------------------------------------------------------------------ setup
+def make_real_size_model(workdir: str) -> str:
+    from async_flowgrpo.models.tiny_sd3 import TinySD3Spec, build_tiny_sd3, save_pipeline
+
+    words = sorted({w for p in PROMPTS for w in p.split()})
+    spec = TinySD3Spec(vocab=tuple(words), **REAL_SIZE_SPEC)
+    path = os.path.join(workdir, "real_size_sd3")
+    save_pipeline(build_tiny_sd3(spec), path, spec)
+    return path
+
+
+def rollout_contenders(policy, prompts, args):
+    pipe = policy.adapter.pipeline
+    res = policy.adapter.resolution
+    import torch
+
+    def ours(r):
+        policy.generate(
+            prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=args.noise_level,
+            sde_type="sde", window_size=args.window, seed=r,
+        )
+
+    def plain(r):
+        pipe(
+            prompt=list(prompts), num_images_per_prompt=args.group_size, num_inference_steps=args.steps,
+            guidance_scale=args.cfg, height=res, width=res, output_type=args.output_type,
+            max_sequence_length=policy.adapter.max_sequence_length, generator=torch.Generator().manual_seed(r),
+        )
+
+    return {"ours": ours, "plain": plain}
+
+
+def train_contenders(policy, prompts, args):
+    import torch
+
+    from async_flowgrpo.learner import Learner
+    from async_flowgrpo.models import combine_guidance
+
+    groups = policy.generate(
+        prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=args.noise_level,
+        sde_type="sde", window_size=args.window, seed=12345,
+    )
+    gen = torch.Generator().manual_seed(0)
+    for g in groups:
+        g.advantages = torch.randn(g.size, generator=gen)
+    learner = Learner(policy, micro_batch_size=args.micro_batch, uncond_grad=not args.no_uncond_grad)
+
+    # the bare loop's tensors, on the device, built once (they are "the same tensors")
+    dev, dt = policy.device, policy.dtype
+    tr = policy.adapter.transformer
+    n = args.group_size
+    lat = torch.cat([g.latents for g in groups]).to(dev)  # [N, W+1, C, H, W]
+    sig = groups[0].sigmas.to(dev)
+
+    def per_sample(attr):
+        return torch.stack([getattr(g, attr) for g in groups]).repeat_interleave(n, 0).to(dev, dt)
+
+    emb, pooled = per_sample("prompt_embeds"), per_sample("pooled_prompt_embeds")
+    cfg = args.cfg > 1
+    if cfg:
+        nemb, npooled = per_sample("negative_prompt_embeds"), per_sample("negative_pooled_prompt_embeds")
+    params = policy.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
+    n_samples, w = lat.shape[0], lat.shape[1] - 1
+    mb = args.micro_batch
+
+    def bare(_r):
+        for m in range(0, n_samples, mb):
+            sl = slice(m, m + mb)
+            b = lat[sl].shape[0]
+            e, p = (torch.cat([nemb[sl], emb[sl]]), torch.cat([npooled[sl], pooled[sl]])) if cfg else (emb[sl], pooled[sl])
+            for j in range(w):
+                x = lat[sl, j]
+                t = (sig[j] * 1000).expand(x.shape[0] * (2 if cfg else 1))
+                v = tr(hidden_states=torch.cat([x, x]) if cfg else x, timestep=t, encoder_hidden_states=e,
+                       pooled_projections=p, return_dict=False)[0].float()
+                if cfg:
+                    v = combine_guidance(v, args.cfg, uncond_grad=not args.no_uncond_grad)
+                loss = ((x + (sig[j + 1] - sig[j]) * v - lat[sl, j + 1]) ** 2).mean()
+                (loss * (b / (n_samples * w))).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def ours(r):
+        learner.train_step(groups, version=0)
+
+    return {"ours": ours, "plain": bare}, len(groups) * n, -(-n_samples // mb) * w
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="diffusers SD3 directory (default: the embedded shapes model)")
+    ap.add_argument("--real-size", action="store_true",
+                    help="a random-init wider SD3 (REAL_SIZE_SPEC) and scaled-down work (REAL_SIZE_WORK) "
+                         "unless given explicitly")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per batch (default 4)")
+    ap.add_argument("--group-size", type=int, default=None, help="images per prompt (default 8)")
+    ap.add_argument("--steps", type=int, default=10, help="denoising steps")
+    ap.add_argument("--cfg", type=float, default=4.5, help="guidance scale")
+    ap.add_argument("--noise-level", type=float, default=0.7)
+    ap.add_argument("--window", type=int, default=None, help="SDE window = trained steps (default steps - 1)")
+    ap.add_argument("--lora-rank", type=int, default=16, help="0 = full fine-tuning")
+    ap.add_argument("--micro-batch", type=int, default=8, help="trainer micro-batch (samples)")
+    ap.add_argument("--no-uncond-grad", action="store_true", help="differentiate the conditional CFG half only")
+    ap.add_argument("--output-type", default="pt", choices=("pt", "latent"), help="the plain pipeline's output")
+    ap.add_argument("--rounds", type=int, default=None, help="recorded rounds (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded rounds first")
+    ap.add_argument("--phases", default="rollout,train")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--top", type=int, default=12, help="profile rows")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/phases/<name>.json)")
+    ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: pool the rounds of earlier runs (same settings) into one table")
+    args = ap.parse_args(argv)
+    if args.pool:
+        return write(pool(args.pool), args.out)
+
+    defaults = dict(prompts=4, group_size=8, window=None, rounds=5)
+    if args.real_size:
+        defaults.update(REAL_SIZE_WORK)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.window is None:
+        args.window = args.steps - 1
+    phases = [p for p in args.phases.split(",") if p]
+    if set(phases) - {"rollout", "train"}:
+        ap.error("--phases: rollout and/or train")
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from async_flowgrpo.config import EMBEDDED_MODEL
+    from async_flowgrpo.policy import DiffusionPolicy
+
+    workdir = tempfile.mkdtemp(prefix="phases_")
+    try:
+        if args.real_size and args.model is None:
+            log("building the random-init real-size model")
+            model, model_desc = make_real_size_model(workdir), {"real_size_spec": REAL_SIZE_SPEC}
+        else:
+            model = args.model or EMBEDDED_MODEL
+            model_desc = {"path": "embedded" if model == EMBEDDED_MODEL else model}
+        policy = DiffusionPolicy(model, dtype=torch.float32, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1))
+        if policy.adapter.family != "sd3":
+            raise SystemExit("phases.py compares against StableDiffusion3Pipeline: an SD3 model is needed")
+        model_desc["transformer_params_M"] = sum(p.numel() for p in policy.adapter.transformer.parameters()) / 1e6
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
+        result = {
+            "settings": {k: v for k, v in vars(args).items() if k not in ("out",)},
+            "model": model_desc,
+            "machine": common.machine_info(),
+            "samples": args.prompts * args.group_size,
+            "phases": {},
+        }
+        log(f"model {model_desc}, {result['samples']} samples, {args.steps} steps, window {args.window}, "
+            f"CFG {args.cfg}, LoRA r{args.lora_rank}, {args.threads} thread(s)")
+        for phase in phases:
+            if phase == "rollout":
+                contenders = rollout_contenders(policy, prompts, args)
+                extra = {}
+            else:
+                contenders, n_samples, passes = train_contenders(policy, prompts, args)
+                extra = {"forward_backward_passes": passes}
+            log(f"{phase}: {args.warmup} warm-up + {args.rounds} rounds")
+            wall, cpu = run_rounds(contenders, args.rounds, args.warmup)
+            entry = {name: summarize(t) for name, t in wall.items()}
+            entry.update(compare(wall["ours"], wall["plain"]), **extra)
+            entry["cpu"] = {name: summarize(t) for name, t in cpu.items()}
+            entry["cpu"].update(compare(cpu["ours"], cpu["plain"]))
+            if not args.no_profile:
+                entry["profile"] = {name: profile(lambda f=f: f(10_000), args.top) for name, f in contenders.items()}
+            result["phases"][phase] = entry
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    result["machine"]["load_average_at_end"] = list(os.getloadavg())
+    return write(result, args.out)
+
+
+def write(result: dict, out: str | None) -> dict:
+    print(report(result))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+        log(f"wrote {out}")
+    return result
+
+
+def pool(files: list[str]) -> dict:
+    """The rounds of several runs as one: times concatenated, statistics recomputed; settings,
+    model and profiles from the first file (the settings must agree, except the round counts)."""
+    runs = []
+    for path in files:
+        with open(path) as f:
+            runs.append(json.load(f))
+    ignore = {"rounds", "warmup", "top", "no_profile", "pool"}
+    first = {k: v for k, v in runs[0]["settings"].items() if k not in ignore}
+    for path, run in zip(files, runs):
+        if {k: v for k, v in run["settings"].items() if k not in ignore} != first:
+            raise SystemExit(f"--pool: {path} was run with other settings than {files[0]}")
+    result = {k: v for k, v in runs[0].items() if k != "phases"}
+    result["pooled_from"] = [os.path.basename(p) for p in files]
+    result["machine"]["load_average_per_run"] = [[r["machine"].get("load_average_at_start"),
+                                                  r["machine"].get("load_average_at_end")] for r in runs]
+    result["phases"] = {}
+    for phase, e0 in runs[0]["phases"].items():
+        entry = {}
+        for clock in ("wall", "cpu"):
+            times = {n: [t for r in runs for t in (r["phases"][phase] if clock == "wall" else r["phases"][phase]["cpu"])[n]["times_s"]]
+                     for n in ("ours", "plain")}
+            d = {n: summarize(t) for n, t in times.items()}
+            d.update(compare(times["ours"], times["plain"]))
+            if clock == "wall":
+                entry.update(d)
+            else:
+                entry["cpu"] = d
+        for key in ("forward_backward_passes", "profile"):
+            if key in e0:
+                entry[key] = e0[key]
+        result["phases"][phase] = entry
+    return result
+
+
+def report(result: dict) -> str:
+    out = io.StringIO()
+    w = out.write
+    w("\nphase    contender clock  median_s   min_s   max_s   iqr_s   ours/plain (medians | paired)\n")
+    for phase, e in result["phases"].items():
+        for clock, d in (("wall", e), ("cpu", e["cpu"])):
+            for name in ("ours", "plain"):
+                s = d[name]
+                ratio = f"{d['ratio_of_medians']:.3f} | {d['median_paired_ratio']:.3f}" if name == "ours" else ""
+                w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
+                  f"{s['iqr_s']:7.3f}   {ratio}\n")
+    for phase, e in result["phases"].items():
+        if "profile" not in e:
+            continue
+        w(f"\nprofile, {phase} (cProfile on CPU time, one run each; seconds, inflated by the profiler):\n")
+        names = list(e["profile"])
+        w(f"  {'bucket':22s}" + "".join(f"{n:>10s}" for n in names) + "\n")
+        for bucket in list(BUCKETS) + ["rest"]:
+            w(f"  {bucket:22s}" + "".join(f"{e['profile'][n]['buckets_s'][bucket]:10.3f}" for n in names) + "\n")
+        w(f"  {'total':22s}" + "".join(f"{e['profile'][n]['total_s']:10.3f}" for n in names) + "\n")
+        w(f"  ours, top by own time:\n")
+        for row in e["profile"]["ours"]["top_tottime"]:
+            w(f"    {row['tottime_s']:7.3f} {row['cumtime_s']:7.3f} {row['calls']:7d}  {row['function']}\n")
+    return out.getvalue()
+
+
+if __name__ == "__main__":
+    main()

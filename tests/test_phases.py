@@ -1,0 +1,183 @@
+"""What the per-phase speed work (issue 20) changed, checked for the math rather than the time.
+
+- the adapters look their transformer's device and dtype up once (diffusers' lookup walks every
+  module), and again if the transformer object is replaced;
+- generate keeps the window on the device until the end and hands out groups whose tensors own
+  their storage;
+- Learner.train_step stacks a micro-batch's conditioning once for all its steps and clears its
+  gradients with set_to_none: the accumulated gradient still equals the per-(sample, step)
+  reference, also with windows of different lengths in one micro-batch and across two updates;
+- benchmarks/phases.py runs end to end on a tiny model and writes its JSON.
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from async_flowgrpo import algo
+from async_flowgrpo.learner import Learner
+from async_flowgrpo.policy import DiffusionPolicy
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 5
+CFG = 4.5
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir):
+    policy = DiffusionPolicy(tiny_model_dir, lora_rank=4, lora_alpha=8)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # LoRA B starts at 0, where every gradient of A vanishes: move it
+        for name, p in policy.adapter.transformer.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy
+
+
+def test_adapter_placement_is_looked_up_once_and_follows_a_replaced_transformer(policy, monkeypatch):
+    adapter = policy.adapter
+    transformer = adapter.transformer
+    assert adapter.device == transformer.device and adapter.dtype == transformer.dtype == torch.float32
+    calls = []
+    cls = type(transformer)
+    real = cls.device.fget
+    monkeypatch.setattr(cls, "device", property(lambda self: calls.append(1) or real(self)))
+    for _ in range(3):
+        assert adapter.device == torch.device("cpu")
+    assert calls == []  # cached: diffusers' lookup is not called again
+    replacement = cls.from_config(transformer.config).to(torch.float64)
+    monkeypatch.setattr(adapter.pipeline, "transformer", replacement)
+    assert adapter.transformer is replacement
+    assert adapter.dtype == torch.float64 and len(calls) == 1  # a new object is looked up afresh
+    monkeypatch.undo()
+    assert adapter.transformer is transformer and adapter.dtype == torch.float32
+
+
+def _storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+def test_groups_are_on_cpu_and_own_their_storage(policy):
+    groups = policy.generate(
+        ["a red circle", "a blue square"], 3, num_steps=STEPS, guidance_scale=CFG, noise_level=0.7,
+        sde_type="sde", window_size=3, seed=1,
+    )
+    for g in groups:
+        tensors = [g.latents, g.log_probs, g.sigmas, g.images, g.prompt_embeds, g.pooled_prompt_embeds,
+                   g.negative_prompt_embeds, g.negative_pooled_prompt_embeds]
+        for t in tensors:
+            assert t.device.type == "cpu"
+            # pickled through Ray, a view would carry the whole batch's storage
+            assert _storage_bytes(t) == t.numel() * t.element_size()
+        assert g.latents.shape[:2] == (3, 4) and g.log_probs.shape == (3, 3)
+        assert g.latents.dtype == g.log_probs.dtype == torch.float32
+    # the recorded window is what the steps made: x_{j+1} is scored by recompute with the same log-prob
+    g = groups[1]
+    with torch.no_grad():
+        lp, *_ = policy.recompute(
+            g.latents[:, 1], g.latents[:, 2], g.sigmas[1].expand(3), g.sigmas[2].expand(3),
+            g.prompt_embeds.expand(3, -1, -1), g.pooled_prompt_embeds.expand(3, -1),
+            g.negative_prompt_embeds.expand(3, -1, -1), g.negative_pooled_prompt_embeds.expand(3, -1),
+            guidance_scale=CFG, noise_level=0.7, sde_type="sde",
+        )
+    torch.testing.assert_close(lp, g.log_probs[:, 1], rtol=0, atol=1e-4)
+
+
+def _groups(policy, seed: int, windows: tuple[int, int], prompts: list[str]):
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for k, (prompt, window) in enumerate(zip(prompts, windows)):
+        (g,) = policy.generate(
+            [prompt], 3, num_steps=STEPS, guidance_scale=CFG, noise_level=0.7, sde_type="sde",
+            window_size=window, seed=seed + k, prompt_indices=[k],
+        )
+        g.advantages = torch.randn(3, generator=gen)
+        out.append(g)
+    return out
+
+
+def _reference_grads(policy, groups, params, **loss_kw):
+    """Mean over (sample, step) of the clipped loss, each pair scored alone (batch of 1)."""
+    for p in params:
+        p.grad = None
+    pairs = [(g, k, j) for g in groups for k in range(g.size) for j in range(g.log_probs.shape[1])]
+    for g, k, j in pairs:
+        neg = (g.negative_prompt_embeds[None], g.negative_pooled_prompt_embeds[None])
+        log_prob, *_ = policy.recompute(
+            g.latents[k, j][None], g.latents[k, j + 1][None], g.sigmas[j][None], g.sigmas[j + 1][None],
+            g.prompt_embeds[None], g.pooled_prompt_embeds[None], *neg,
+            guidance_scale=CFG, noise_level=0.7, sde_type="sde",
+        )
+        pg, _ = algo.policy_loss(log_prob, log_prob.detach(), g.log_probs[k, j][None], g.advantages[k][None], **loss_kw)
+        (pg / len(pairs)).backward()
+    grads = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+PROMPTS = ["a red circle", "a blue square"]
+UPDATES = {
+    # micro-batches of 4 over windows of 4 and 2 steps: the first micro-batch mixes both, and its
+    # selection shrinks after step 1, so the stacked conditioning must be rebuilt mid-micro-batch
+    "mixed_windows": (4, [(10, (4, 2), PROMPTS), (20, (2, 4), PROMPTS)]),
+    # one micro-batch of the same 6 samples in both updates, prompts swapped in the second: the
+    # second update must not reuse the first one's conditioning
+    "same_selection_next_update": (8, [(10, (3, 3), PROMPTS), (20, (3, 3), PROMPTS[::-1])]),
+}
+
+
+@pytest.mark.parametrize("case", list(UPDATES))
+def test_train_step_gradient_matches_the_per_pair_reference_across_updates(policy, case):
+    micro_batch_size, updates = UPDATES[case]
+    loss_kw = dict(clip_range=1e-4, adv_clip=5.0, is_cap=2.0)
+    seen = []
+    learner = Learner(
+        policy, lr=1e-3, micro_batch_size=micro_batch_size, max_grad_norm=1e6,
+        grad_all_reduce=lambda params: seen.append([p.grad.clone() for p in params]), **loss_kw,
+    )
+    params = learner.params
+    for update, (seed, windows, prompts) in enumerate(updates):
+        groups = _groups(policy, seed, windows, prompts)
+        expected = _reference_grads(policy, groups, params, **loss_kw)
+        metrics = learner.train_step(groups, version=0)
+        assert metrics["samples/trained"] == 6 and metrics["train/skipped_nonfinite"] == 0
+        got = seen[update]
+        assert sum(float(e.abs().sum()) for e in expected) > 0
+        for e, g in zip(expected, got):
+            torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-7)
+        assert all(p.grad is None for p in params)  # cleared with set_to_none after the step
+        assert learner._cond_cache is None
+
+
+@pytest.fixture(scope="module")
+def phases():
+    spec = importlib.util.spec_from_file_location("phases", os.path.join(REPO, "benchmarks", "phases.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path):
+    out = tmp_path / "tiny.json"
+    phases.main([
+        "--model", tiny_model_dir, "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4",
+        "--micro-batch", "2", "--rounds", "2", "--warmup", "0", "--top", "3", "--out", str(out),
+    ])
+    result = json.loads(out.read_text())
+    assert result["samples"] == 4 and set(result["phases"]) == {"rollout", "train"}
+    train = result["phases"]["train"]
+    assert train["forward_backward_passes"] == 2 * 2  # 2 micro-batches x window of 2 steps
+    for phase in result["phases"].values():
+        assert len(phase["ours"]["times_s"]) == len(phase["plain"]["times_s"]) == 2
+        assert phase["ratio_of_medians"] > 0 and len(phase["paired_ratios"]) == 2
+        prof = phase["profile"]["ours"]
+        assert prof["buckets_s"]["transformer forward"] > 0 and len(prof["top_tottime"]) == 3
+    assert result["phases"]["train"]["profile"]["ours"]["buckets_s"]["backward"] > 0
+    assert len(result["phases"]["rollout"]["cpu"]["ours"]["times_s"]) == 2
+    pooled = phases.main(["--pool", str(out), str(out), "--out", str(tmp_path / "pooled.json")])
+    assert len(pooled["phases"]["train"]["plain"]["times_s"]) == len(pooled["phases"]["train"]["cpu"]["ours"]["times_s"]) == 4
+    assert pooled["phases"]["train"]["ratio_of_medians"] == pytest.approx(train["ratio_of_medians"])
