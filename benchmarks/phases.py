@@ -434,7 +434,7 @@ def report(result: dict) -> str:
         for bucket in list(BUCKETS) + ["rest"]:
             w(f"  {bucket:22s}" + "".join(f"{e['profile'][n]['buckets_s'][bucket]:10.3f}" for n in names) + "\n")
         w(f"  {'total':22s}" + "".join(f"{e['profile'][n]['total_s']:10.3f}" for n in names) + "\n")
-        w(f"  ours, top by own time:\n")
+        w("  ours, top by own time:\n")
         for row in e["profile"]["ours"]["top_tottime"]:
             w(f"    {row['tottime_s']:7.3f} {row['cumtime_s']:7.3f} {row['calls']:7d}  {row['function']}\n")
     return out.getvalue()
