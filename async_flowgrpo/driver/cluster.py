@@ -115,6 +115,7 @@ class Cluster:
         self.trainers, self.rollouts, self.reward_actors = [], [], []
         self.rollout_pids: list[int] = []
         self.restarts = 0  # rollout actors Ray restarted
+        self._last_stats: dict[int, dict] = {}  # rollout actor -> its last counters (see rollout_stats)
         self.placement = placement_group(self.bundles, strategy="PACK")
 
     def start(self) -> None:
@@ -183,7 +184,15 @@ class Cluster:
         return ray.get(refs, timeout=timeout or self.cfg.ray.work_timeout_s)[0]
 
     def rollout_stats(self) -> list[dict]:
-        return ray.get([r.stats.remote() for r in self.rollouts], timeout=self.cfg.ray.call_timeout_s)
+        """Each rollout actor's counters; an actor that is dead or restarting (noticed, and
+        recovered, where the mode next waits on it) reports its last counters."""
+        refs = [r.stats.remote() for r in self.rollouts]
+        for i, ref in enumerate(refs):
+            try:
+                self._last_stats[i] = ray.get(ref, timeout=self.cfg.ray.call_timeout_s)
+            except ray.exceptions.RayActorError:
+                self._last_stats.setdefault(i, {"perf/rollout_idle_frac": 0.0})
+        return [self._last_stats[i] for i in range(len(self.rollouts))]
 
     def trainer_idle(self) -> float:
         idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=self.cfg.ray.call_timeout_s)
