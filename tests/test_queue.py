@@ -226,7 +226,8 @@ def test_actor_fifo_backpressure_and_get_batch(actor):
     assert [g.prompt_index for g in ray.get(q.get_batch.remote(3, timeout=5), timeout=T)] == [1, 2, 3]
     # get_batch awaits until enough groups are there.
     ref = q.get_batch.remote(3, timeout=20)
-    ray.get([q.put.remote(make_group(i)) for i in (4, 5)], timeout=T)
+    for i in (4, 5):  # one at a time: concurrent calls to an async actor may run in any order
+        assert ray.get(q.put.remote(make_group(i)), timeout=T)
     assert pending(ref)
     ray.get(q.put.remote(make_group(6)), timeout=T)
     assert [g.prompt_index for g in ray.get(ref, timeout=T)] == [4, 5, 6]
@@ -242,7 +243,8 @@ def test_actor_fifo_backpressure_and_get_batch(actor):
     assert s["samples/dropped_stale"] == 0
     assert s["queue/producer_wait_s"] >= 0.4 + 0.2 and s["queue/consumer_wait_s"] >= 0.4 + 0.2
     # shutdown wakes a put blocked on a full queue; the group is not enqueued.
-    ray.get([q.put.remote(make_group(i)) for i in (8, 9)], timeout=T)
+    for i in (8, 9):
+        assert ray.get(q.put.remote(make_group(i)), timeout=T)
     blocked = q.put.remote(make_group(10))
     assert pending(blocked)
     ray.get(q.shutdown.remote(), timeout=T)
