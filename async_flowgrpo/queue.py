@@ -443,8 +443,7 @@ class QueueActor:
             return out
 
     async def state_dict(self) -> dict[str, Any]:
-        """Counters, and the tickets of groups in flight (a resumed run hands them out first). The
-        queued groups themselves come from `queued_groups`."""
+        """Counters, and the tickets of groups in flight (a resumed run hands them out first)."""
         return {
             "controller": self.controller.state_dict(),
             "queue": self.queue.state_dict(),
@@ -453,18 +452,21 @@ class QueueActor:
             "in_flight_tickets": sorted([*self.tickets_in_flight.values(), *self.pending_tickets]),
         }
 
-    async def queued_groups(self) -> list:
-        """The queued groups themselves, in order, left in the queue (for a checkpoint). The queue
-        holds records whose `ref` points at the group in the object store: fetched here, by the
-        actor holding the refs, so that they are never handed on a second time (Ray's nested
-        reference counting can lose an object whose ref is deserialized twice in one process)."""
+    async def snapshot(self) -> tuple[dict[str, Any], list]:
+        """(`state_dict`, the queued groups themselves in order), taken at one moment, for a
+        checkpoint: a group put in between would otherwise be saved both as queued and as a ticket
+        in flight. The queue is left as it was. The groups are fetched here, by the actor holding
+        their refs, so that the refs are never handed on a second time (Ray's nested reference
+        counting can lose an object whose ref is deserialized twice in one process)."""
+        async with self.cond:
+            state, records = await self.state_dict(), self.queue.queued()
         groups = []
-        for record in self.queue.queued():
+        for record in records:
             try:
                 groups.append(await record.ref)
             except Exception as e:  # lost with its rollout actor: left out, counted as drained on resume
                 logger.warning("queued group %d not saved: %s", record.prompt_index, str(e).splitlines()[0][:200])
-        return groups
+        return state, groups
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved state (with "queued" holding the groups to put back, possibly fewer

@@ -462,9 +462,9 @@ def test_a_dead_workers_ticket_is_reissued_first_and_a_failed_rewards_is_not():
     assert asyncio.run(scenario()) == [1, 3, 4, None]  # then the admission limit (v + eta + 1) * 2 = 4
 
 
-def test_queued_groups_are_fetched_by_the_queue_for_a_checkpoint(actor):
+def test_a_snapshot_fetches_the_queued_groups_and_leaves_the_queue_as_it_was(actor):
     """Producers queue records whose groups wait in the object store; for a checkpoint the queue
-    actor fetches the groups themselves and leaves the queue as it was."""
+    actor fetches the groups themselves, with its counters of the same moment."""
     from async_flowgrpo.types import GroupRecord
 
     q = actor(capacity=8, groups_per_step=2, max_staleness=1)
@@ -473,6 +473,8 @@ def test_queued_groups_are_fetched_by_the_queue_for_a_checkpoint(actor):
         group = make_group(i, 0, n=2, worker_id=i)
         group.rewards = torch.tensor([0.0, 1.0])
         assert ray.get(q.put.remote(GroupRecord.of(group, ray.put(group)), 5), timeout=T)
-    groups = ray.get(q.queued_groups.remote(), timeout=T)
+    assert ray.get(q.acquire_ticket.remote(3, 5), timeout=T) == 3  # in flight: a ticket, not a group
+    state, groups = ray.get(q.snapshot.remote(), timeout=T)
     assert [g.prompt_index for g in groups] == [0, 1, 2] and all(isinstance(g, Group) for g in groups)
+    assert state["in_flight_tickets"] == [3] and state["queue"]["produced"] == 3
     assert [r.prompt_index for r in ray.get(q.get_batch.remote(2, 5), timeout=T)] == [0, 1]

@@ -260,6 +260,80 @@ def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_di
     assert rows[-1]["samples/consumed"] == 5 * 4 and rows[-1]["staleness/max"] <= 1
 
 
+def stop_after_step(monkeypatch, step: int, wait_for_rollouts: bool):
+    """Ask the run to stop (as SIGTERM does) once `step` is logged; wait_for_rollouts: first let the
+    batch in flight finish, so that the stop finds finished rollouts to save."""
+    original = Run.end_step
+
+    def end_step(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.step == step:
+            if wait_for_rollouts and self.batches._started:
+                shares = self.batches._started[0][1]
+                refs = [s.refs[0] for s in shares if s.restored is None]
+                ray.wait(refs, num_returns=len(refs), timeout=120)
+            self.stop.request(signal.SIGTERM)
+
+    monkeypatch.setattr(Run, "end_step", end_step)
+
+
+def test_one_step_off_stop_saves_the_finished_batch_in_flight(ray_cluster, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """A stop after step 2 saves batch 3 (made while step 2 trained) with the checkpoint; the resumed
+    run trains it first instead of regenerating it: every ticket is generated exactly once."""
+    from async_flowgrpo import checkpoint
+    from async_flowgrpo.stop import Stopped
+
+    out = str(tmp_path)
+    stop_after_step(monkeypatch, 2, wait_for_rollouts=True)
+    with pytest.raises(Stopped):
+        run(small_config("one_step_off", tiny_model_dir, prompt_file, out, "trainer.total_steps=6", "trainer.checkpoint_every=0"))
+    saved = checkpoint.load(os.path.join(out, "checkpoints", "step_000002"))
+    assert saved["next_ticket"] == 4  # batches 1 and 2 trained
+    in_flight = saved["batch_in_flight"]
+    assert in_flight["end"] == 6 and in_flight["tickets"] == []
+    assert sorted(g["prompt_index"] for g in in_flight["groups"]) == [4, 5] and in_flight["skipped"] == 0
+    monkeypatch.undo()
+
+    run(small_config("one_step_off", tiny_model_dir, prompt_file, out, "trainer.total_steps=4", "trainer.checkpoint_every=0",
+                     "trainer.resume=latest"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[-1]["samples/consumed"] == 4 * 4 and rows[-1]["samples/produced"] == 4 * 4
+    assert rows[-1]["rollout/groups"] == 2  # the resumed process generated batch 4 only
+    assert checkpoint.load(os.path.join(out, "checkpoints", "step_000004"))["next_ticket"] == 8
+    assert all(r["staleness/max"] <= 1 for r in rows)
+
+
+def test_fully_async_stop_saves_the_queue_before_it_is_drained(ray_cluster, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """The checkpoint a stop writes holds the groups queued at that moment (the producers are
+    stopped and the queue drained only afterwards); the resumed run drains nothing and balances."""
+    from async_flowgrpo import checkpoint
+    from async_flowgrpo.stop import Stopped
+
+    from async_flowgrpo.driver.run import checkpointer
+
+    out = str(tmp_path)
+    stop_after_step(monkeypatch, 2, wait_for_rollouts=False)
+    cfg = small_config("fully_async", tiny_model_dir, prompt_file, out, "trainer.total_steps=6", "trainer.checkpoint_every=0")
+    with pytest.raises(Stopped):
+        run(cfg)
+    path, _ = checkpointer(cfg).find("latest")  # step 2 or 3: the prefetched update 3 may have started
+    stopped_at = int(os.path.basename(path).split("_")[1])
+    saved = checkpoint.load(path)["queue"]
+    assert len(saved["queued_groups"]) + len(saved["in_flight_tickets"]) >= 1  # producers run ahead (eta 1)
+    assert saved["queue"]["drained"] == 0
+    monkeypatch.undo()
+
+    run(small_config("fully_async", tiny_model_dir, prompt_file, out, f"trainer.total_steps={stopped_at + 2}",
+                     "trainer.checkpoint_every=0", "trainer.resume=latest"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, stopped_at + 3))
+    assert all(r["groups/drained"] == 0 for r in rows[stopped_at:])
+    last = rows[-1]
+    assert last["samples/consumed"] == 4 * (stopped_at + 2)
+    assert last["groups/produced"] == last["groups/consumed"] + last["groups/dropped_stale"] + last["queue/size"]
+
+
 def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """Batch mode: kill a rollout actor's process while it generates; the batch still completes."""
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")

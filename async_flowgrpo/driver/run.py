@@ -21,6 +21,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 
@@ -33,7 +34,7 @@ from async_flowgrpo.driver.cluster import Cluster, RunError
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
 from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
-from async_flowgrpo.types import GroupRecord
+from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
 
@@ -78,50 +79,113 @@ class TrainStep:
     calls: list
 
 
+@dataclass
+class Share:
+    """A rollout actor's part of a batch: `tickets`, being generated into `refs` ([records,
+    *groups]); or, with `actor` None, `restored` records from a checkpoint, ready to train (None:
+    a group whose reward had failed)."""
+
+    actor: int | None
+    tickets: list[int]
+    refs: list
+    restored: list[GroupRecord | None] | None = None
+
+
 class BatchRollouts:
     """sync and one_step_off: the driver hands out tickets (group indices) round-robin, one batch
     at a time, and gets back each group's record; the groups stay in the object store, owned by
-    the driver, so they outlive a rollout actor that dies after making them."""
+    the driver, so they outlive a rollout actor that dies after making them.
 
-    def __init__(self, cluster: Cluster, weights: WeightPublisher, run: "Run"):
+    At a stop, the finished groups of the batch in flight go into the checkpoint (`in_flight_state`)
+    and its unfinished tickets are noted: the resumed run's first batch is those groups plus the
+    regenerated tickets (same prompts and seeds), so a stop loses no finished rollout."""
+
+    def __init__(self, cluster: Cluster, weights: WeightPublisher, run: "Run", saved: dict | None = None):
         self.cluster, self.weights, self.run = cluster, weights, run
         self.next_ticket = run.trained_ticket_end  # resume regenerates from the first untrained ticket
-        self._batch_ends: deque[int] = deque()  # end ticket of each batch started, not yet collected
+        self._started: deque[tuple[int, list[Share]]] = deque()  # (end ticket, shares) of each batch not yet collected
+        self._saved = saved  # the batch in flight at a stop, from the checkpoint
+        if saved:
+            self.next_ticket = saved["end"]
 
-    def start(self, num_groups: int) -> list:
+    def start(self, num_groups: int) -> list[Share]:
+        if self._saved:
+            return self._restart_saved()
         tickets = list(range(self.next_ticket, self.next_ticket + num_groups))
         self.next_ticket += num_groups
-        self._batch_ends.append(self.next_ticket)
+        return self._start(self.next_ticket, tickets, [])
+
+    def _start(self, end: int, tickets: list[int], shares: list[Share]) -> list[Share]:
         rollouts = self.cluster.rollouts
-        shares = [tickets[i :: len(rollouts)] for i in range(len(rollouts))]
-        return [(i, share, self._generate(i, share)) for i, share in enumerate(shares) if share]
+        for i in range(len(rollouts)):
+            if tickets[i :: len(rollouts)]:
+                shares.append(Share(i, tickets[i :: len(rollouts)], self._generate(i, tickets[i :: len(rollouts)])))
+        self._started.append((end, shares))
+        return shares
+
+    def _restart_saved(self) -> list[Share]:
+        saved, self._saved = self._saved, None
+        groups = [Group.from_state(g) for g in saved["groups"]]
+        records = [GroupRecord.of(g, ray.put(g)) for g in groups] + [None] * saved["skipped"]
+        return self._start(saved["end"], list(saved["tickets"]), [Share(None, [], [], restored=records)])
 
     def _generate(self, index: int, tickets: list[int]) -> list:
         return self.cluster.rollouts[index].generate.options(num_returns=len(tickets) + 1).remote(tickets)
 
-    def collect(self, pending: list) -> list[GroupRecord]:
+    def collect(self, pending: list[Share]) -> list[GroupRecord]:
         """Wait for a batch's records; a share lost with a dead rollout actor is regenerated after
         its restart. Groups whose reward failed are counted in rewards/skipped_groups."""
         run, timeout = self.run, self.run.cfg.ray.work_timeout_s
         records = []
         with run.stop.abandonable():  # only waiting: a batch left half-made is regenerated on resume
-            for i, tickets, refs in pending:
+            for share in pending:
+                if share.restored is not None:
+                    records.extend(share.restored)
+                    continue
+                i, tickets, refs = share.actor, share.tickets, share.refs
                 try:
                     got = ray.get(refs[0], timeout=timeout)
                 except (ray.exceptions.RayActorError, WeightsNotReceived) as e:
                     # died while generating, or restarted since the last publication (killed while idle)
                     self.weights.recover(i, e, run.version)
-                    refs = self._generate(i, tickets)
+                    share.refs = refs = self._generate(i, tickets)
                     got = ray.get(refs[0], timeout=timeout)
                 for record, ref in zip(got, refs[1:]):
                     if record is not None:
                         record.ref = ref
                     records.append(record)
-        run.collected_ticket_end = self._batch_ends.popleft()
+        run.collected_ticket_end, _ = self._started.popleft()
         kept = [r for r in records if r is not None]
         run.skipped_groups += len(records) - len(kept)
         run.produced_samples += sum(r.size for r in kept)
         return kept
+
+    def in_flight_state(self) -> dict:
+        """The oldest batch started and not collected, without waiting for it: its finished groups
+        (whole trajectories: the one time they pass through the driver), the number whose reward
+        failed, and the tickets still being generated. {} when no batch is in flight."""
+        if not self._started:
+            return {}
+        end, shares = self._started[0]
+        groups, skipped, tickets = [], 0, []
+        for share in shares:
+            if share.restored is not None:  # restored and not trained yet: saved again
+                got, refs = share.restored, [r.ref if r is not None else None for r in share.restored]
+            elif ray.wait(share.refs[:1], timeout=0)[0]:
+                try:
+                    got, refs = ray.get(share.refs[0], timeout=self.run.cfg.ray.call_timeout_s), share.refs[1:]
+                except (ray.exceptions.RayActorError, WeightsNotReceived):
+                    tickets += share.tickets
+                    continue
+            else:
+                tickets += share.tickets
+                continue
+            for record, ref in zip(got, refs):
+                if record is None:
+                    skipped += 1
+                else:
+                    groups.append(ray.get(ref, timeout=self.run.cfg.ray.call_timeout_s).to_state())
+        return {"end": end, "groups": groups, "skipped": skipped, "tickets": sorted(tickets)}
 
 
 class Run:
@@ -161,10 +225,11 @@ class Run:
         self._reward_errors_seen: dict[int, int] = {}  # fully_async: per rollout actor, to count skipped groups
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
         self.checkpoint_extra = lambda: {}  # a mode adds its own state (fully_async: the queue's counters)
+        self._on_exit: list[Callable[[], None]] = []
         self.log = RunLogger(cfg.trainer.output_dir, cfg, total_steps=cfg.trainer.total_steps, progress=cfg.logging.progress)
         self.resumed_state = self._resume_if_asked()
         self.publish_weights()  # rollout actors start from exactly the trainer's weights
-        self.batches = BatchRollouts(self.cluster, self.weights, self)
+        self.batches = BatchRollouts(self.cluster, self.weights, self, self.resumed_state.get("batch_in_flight"))
         self.start_time = time.perf_counter()
         self._consumed_at_start = self.consumed_samples  # throughput counts this process's work only
 
@@ -291,18 +356,23 @@ class Run:
         return m
 
     # -- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        """Atomically (see async_flowgrpo/checkpoint.py): state.json + tensors.safetensors + weights/."""
+    def save_checkpoint(self, at_stop: bool = False) -> str:
+        """Atomically (see async_flowgrpo/checkpoint.py): state.json + tensors.safetensors + weights/.
+        at_stop: with the finished groups of the batch in flight (batch modes), which a resumed run
+        trains first."""
+        in_flight = self.batches.in_flight_state() if at_stop else {}
         state = {
             "step": self.step,
             "version": self.version,
             "next_ticket": self.trained_ticket_end,
             "consumed_samples": self.consumed_samples,
+            "produced_samples": self.produced_samples,
             "skipped_groups": self.skipped_groups,
             "nonfinite_steps": self.nonfinite.steps,
             "config": dataclasses.asdict(self.cfg),  # resume compares the new config with it
             "learner": self.cluster.on_trainers("state_dict"),
             **self.checkpoint_extra(),
+            **({"batch_in_flight": in_flight} if in_flight else {}),
         }
         path = self.checkpointer.save(
             self.step, state, write_extra=lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights"))
@@ -330,6 +400,7 @@ class Run:
         self.step, self.version = state["step"], state["version"]
         self.trained_ticket_end = self.collected_ticket_end = state["next_ticket"]
         self.consumed_samples = state["consumed_samples"]
+        self.produced_samples = state.get("produced_samples", self.consumed_samples)
         self.skipped_groups = state.get("skipped_groups", 0)
         self.nonfinite.steps = state.get("nonfinite_steps", 0)
         self.saved_step = self.step
@@ -337,6 +408,12 @@ class Run:
         return state
 
     # -- lifetime ------------------------------------------------------------------------------
+    def on_exit(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Register `fn` to run when the run ends, however it ends: after the last checkpoint (a
+        stop's too), before the actors are shut down. Usable as a decorator."""
+        self._on_exit.append(fn)
+        return fn
+
     def __enter__(self) -> "Run":
         return self
 
@@ -346,8 +423,9 @@ class Run:
         try:
             if exc_type is not None and issubclass(exc_type, StopRequested):
                 # Raised only between steps or while waiting for rollouts: step N holds exactly N updates.
-                if not exc.force and self.saved_step != self.step:
-                    self.save_checkpoint()
+                # Saved even when step N already was: the rollouts finished since then go in too.
+                if not exc.force:
+                    self.save_checkpoint(at_stop=True)
                 saved = not exc.force or self.saved_step == self.step
                 raise Stopped(exc.signum, self.step, saved) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
@@ -362,6 +440,11 @@ class Run:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 raise RunError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
         finally:
+            for fn in self._on_exit:
+                try:
+                    fn()
+                except Exception as e:  # the actors are shut down next anyway; keep the run's own error
+                    logger.warning("while ending the run: %s: %s", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             self.shutdown()
 
     def shutdown(self) -> None:

@@ -40,6 +40,15 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
             ray.get(queue.set_version.remote(run.version), timeout=wait)
         loops = [rollout.run.remote(queue) for rollout in run.rollouts]
 
+        @run.on_exit  # after the last checkpoint (a stop's too), so that it still holds the queue
+        def stop_producing() -> None:
+            # Stop producing, wake every waiter, let the loops return; what is left is counted as drained.
+            for rollout in run.rollouts:
+                rollout.stop.remote()
+            ray.get(queue.shutdown.remote(), timeout=wait)
+            ray.wait(loops, num_returns=len(loops), timeout=cfg.ray.start_timeout_s)
+            ray.get(queue.drain.remote(), timeout=wait)
+
         def restart_dead_loops() -> None:
             ended, _ = ray.wait(loops, num_returns=len(loops), timeout=0)
             for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
@@ -53,48 +62,39 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
                         run.recover_rollout(i, e)
                         loops[i] = run.rollouts[i].run.remote(queue)
 
-        try:
-            run.evaluate_at_start()
-            in_flight = None  # an update started on the trainers, not yet counted
-            while run.step < total:
-                if in_flight is None:
-                    run.stop.check()  # SIGTERM/SIGINT: only here, with no update in flight (at most batch_wait late)
-                    records = ray.get(queue.get_batch.remote(gps, batch_wait), timeout=wait + batch_wait)
-                    restart_dead_loops()
-                    if not records:
-                        continue
-                    in_flight = run.start_train(records)
-                prefetch = run.step + 1 < total and not run.needs_trainers_after(run.step + 1) and not run.stop.requested
-                next_batch = queue.get_batch.remote(gps, batch_wait) if prefetch else None
-                metrics = run.finish_train(in_flight)
-                in_flight = None
-                sync = {}
-                if run.step % cfg.sync.every == 0:
-                    sync = run.publish_weights()
-                    ray.get(queue.set_version.remote(run.version), timeout=wait)
-                queue_stats = ray.get(queue.stats.remote(), timeout=wait)
-                # taken from the queue may include a prefetched batch: samples/consumed is the run's (trained)
-                queue_stats.pop("samples/consumed")
-                if next_batch is not None:
-                    records = ray.get(next_batch, timeout=wait + batch_wait)
-                    restart_dead_loops()
-                    in_flight = run.start_train(records)  # a prefetched batch is always trained: it left the queue
-                run.end_step(metrics, {**queue_stats, **sync})
-            return run.log.summary({})
-        finally:
-            # Stop producing, wake every waiter, let the loops return; what is left is counted as drained.
-            for rollout in run.rollouts:
-                rollout.stop.remote()
-            ray.get(queue.shutdown.remote(), timeout=wait)
-            ray.wait(loops, num_returns=len(loops), timeout=cfg.ray.start_timeout_s)
-            ray.get(queue.drain.remote(), timeout=wait)
+        run.evaluate_at_start()
+        in_flight = None  # an update started on the trainers, not yet counted
+        while run.step < total:
+            if in_flight is None:
+                run.stop.check()  # SIGTERM/SIGINT: only here, with no update in flight (at most batch_wait late)
+                records = ray.get(queue.get_batch.remote(gps, batch_wait), timeout=wait + batch_wait)
+                restart_dead_loops()
+                if not records:
+                    continue
+                in_flight = run.start_train(records)
+            prefetch = run.step + 1 < total and not run.needs_trainers_after(run.step + 1) and not run.stop.requested
+            next_batch = queue.get_batch.remote(gps, batch_wait) if prefetch else None
+            metrics = run.finish_train(in_flight)
+            in_flight = None
+            sync = {}
+            if run.step % cfg.sync.every == 0:
+                sync = run.publish_weights()
+                ray.get(queue.set_version.remote(run.version), timeout=wait)
+            queue_stats = ray.get(queue.stats.remote(), timeout=wait)
+            # taken from the queue may include a prefetched batch: samples/consumed is the run's (trained)
+            queue_stats.pop("samples/consumed")
+            if next_batch is not None:
+                records = ray.get(next_batch, timeout=wait + batch_wait)
+                restart_dead_loops()
+                in_flight = run.start_train(records)  # a prefetched batch is always trained: it left the queue
+            run.end_step(metrics, {**queue_stats, **sync})
+        return run.log.summary({})
 
 
 def saved_queue(queue, timeout: float) -> dict:
     """The queue's state for a checkpoint, with the queued groups themselves (the one time
     trajectories pass through the driver), so a resumed run trains them instead of regenerating them."""
-    state = ray.get(queue.state_dict.remote(), timeout=timeout)
-    groups = ray.get(queue.queued_groups.remote(), timeout=timeout)
+    state, groups = ray.get(queue.snapshot.remote(), timeout=timeout)
     return {**state, "queued_groups": [g.to_state() for g in groups]}
 
 
