@@ -24,7 +24,6 @@ import ray
 import torch
 import torch.distributed as dist
 
-from async_flowgrpo import fsdp
 from async_flowgrpo.actors import quiet_actor_output
 from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
@@ -124,7 +123,11 @@ class TrainerActor:
         """Collective when sharded (every rank must call); rank 0 gets the weights, others {}.
         sampling: the weights rollout actors sample with (DiffusionNFT: its old copy), not the trained ones."""
         state = self.learner.sampling_state() if sampling else self.learner.policy.trainable_state()
-        return fsdp.gather(state.items(), keep=self.rank == 0) if self.sharded else state
+        if not self.sharded:
+            return state
+        from async_flowgrpo import fsdp  # here, not at the top: the driver imports this module, and fsdp costs it 0.8 s
+
+        return fsdp.gather(state.items(), keep=self.rank == 0)
 
     def sync_address(self, host: str | None = None):
         return self.sender.new_address(host)
@@ -152,6 +155,8 @@ class TrainerActor:
 
         if not self.sharded:
             return evaluate_policy(self.learner.policy, self.cfg)
+        from async_flowgrpo import fsdp
+
         result = evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size)
         for transformer in self.learner.policy.transformers():
             fsdp.reshard(transformer)
@@ -160,6 +165,8 @@ class TrainerActor:
     def state_dict(self) -> dict | None:
         if not self.sharded:
             return {**self.learner.state_dict(), "rng": torch.get_rng_state()}
+        from async_flowgrpo import fsdp
+
         transformer = self.learner.policy.adapter.transformer
         trainable = self._trainable_state()
         optimizer = fsdp.optimizer_state(transformer, self.learner.optimizer)  # keyed by name, any world size
@@ -168,6 +175,8 @@ class TrainerActor:
     def load_state_dict(self, state: dict) -> None:
         """Every rank gets the same whole state (sharded: each keeps its shards)."""
         if self.sharded:
+            from async_flowgrpo import fsdp
+
             fsdp.load_state(self.learner.policy.adapter.transformer, self.learner.optimizer, state["trainable"], state["optimizer"])
         else:
             self.learner.load_state_dict(state)
