@@ -16,7 +16,14 @@ train     ours  = ``Learner.train_step`` on a batch of groups generated once by 
                   error to the recorded next latent as the loss, backward), then one AdamW step
                   on the same trainable parameters and zero_grad(set_to_none=True)
 
-Every round runs both contenders, alternating which goes first (ABBA), after ``--warmup``
+With ``--flow-grpo DIR`` (a local checkout of github.com/yifan123/flow_grpo; nothing of it is in
+this repository) each phase has a third contender, the original Flow-GRPO code on the same
+pipeline object: its ``pipeline_with_logprob`` for the rollout, and its train_sd3.py inner loop
+(``compute_log_prob`` around its ``sde_step_with_logprob``, clipped-ratio loss, backward; re-typed
+in ``flow_grpo_train``) for the trainer step. Pass ``--no-uncond-grad`` with it: its trainer does
+not differentiate the unconditional CFG half either.
+
+Every round runs every contender, alternating which goes first (ABBA), after ``--warmup``
 unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the
 wall time and of the process's CPU time (with one thread, CPU time leaves out the time other
 processes take the core away: on a shared machine the steadier clock); per phase: ours/plain as
@@ -30,6 +37,7 @@ decode, optimizer step and the rest, and ours' top functions by own time.
     python benchmarks/phases.py --real-size                       # random-init wider SD3, ~5 min
     python benchmarks/phases.py --model /path/to/sd3 --prompts 2 --group-size 4 --window 2
     python benchmarks/phases.py --pool run1.json run2.json --out pooled.json   # rounds of runs as one
+    python benchmarks/phases.py --flow-grpo ../flow_grpo --no-uncond-grad       # and the original code
 
 Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
 CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 (36 forward+backward
@@ -90,6 +98,9 @@ REAL_SIZE_WORK = dict(prompts=2, group_size=8, window=4, rounds=3)
 
 
 # ------------------------------------------------------------------------------------------ stats
+CONTENDERS = ("ours", "plain", "flow_grpo")
+
+
 def summarize(times: list[float]) -> dict:
     q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
     return {
@@ -107,6 +118,15 @@ def compare(ours: list[float], plain: list[float]) -> dict:
         "median_paired_ratio": statistics.median(o / p for o, p in zip(ours, plain)),
         "paired_ratios": [o / p for o, p in zip(ours, plain)],
     }
+
+
+def phase_entry(times: dict[str, list[float]]) -> dict:
+    """Each contender's statistics, ours/plain, and ours/flow_grpo when it ran."""
+    entry = {name: summarize(t) for name, t in times.items()}
+    entry.update(compare(times["ours"], times["plain"]))
+    if "flow_grpo" in times:
+        entry["vs_flow_grpo"] = compare(times["ours"], times["flow_grpo"])
+    return entry
 
 
 def run_rounds(contenders: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -198,7 +218,7 @@ def make_real_size_model(workdir: str) -> str:
     return path
 
 
-def rollout_contenders(policy, prompts, args):
+def rollout_contenders(policy, prompts, args, flow_grpo=None):
     pipe = policy.adapter.pipeline
     res = policy.adapter.resolution
     import torch
@@ -216,14 +236,16 @@ def rollout_contenders(policy, prompts, args):
             max_sequence_length=policy.adapter.max_sequence_length, generator=torch.Generator().manual_seed(r),
         )
 
-    return {"ours": ours, "plain": plain}
+    contenders = {"ours": ours, "plain": plain}
+    if flow_grpo is not None:
+        contenders["flow_grpo"] = flow_grpo_rollout(flow_grpo, policy, prompts, args)
+    return contenders
 
 
-def train_contenders(policy, prompts, args):
+def train_contenders(policy, prompts, args, flow_grpo=None):
     import torch
 
     from async_flowgrpo.learner import Learner
-    from async_flowgrpo.models import combine_guidance
 
     groups = policy.generate(
         prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=args.noise_level,
@@ -263,8 +285,10 @@ def train_contenders(policy, prompts, args):
                 t = (sig[j] * 1000).expand(x.shape[0] * (2 if cfg else 1))
                 v = tr(hidden_states=torch.cat([x, x]) if cfg else x, timestep=t, encoder_hidden_states=e,
                        pooled_projections=p, return_dict=False)[0].float()
-                if cfg:
-                    v = combine_guidance(v, args.cfg, uncond_grad=not args.no_uncond_grad)
+                if cfg:  # flow_grpo's way: one batch [uncond; cond], the uncond half detached (or not)
+                    v_uncond, v_cond = v.chunk(2)
+                    v_uncond = v_uncond.detach() if args.no_uncond_grad else v_uncond
+                    v = v_uncond + args.cfg * (v_cond - v_uncond)
                 loss = ((x + (sig[j + 1] - sig[j]) * v - lat[sl, j + 1]) ** 2).mean()
                 (loss * (b / (n_samples * w))).backward()
         opt.step()
@@ -273,7 +297,82 @@ def train_contenders(policy, prompts, args):
     def ours(r):
         learner.train_step(groups, version=0)
 
-    return {"ours": ours, "plain": bare}, len(groups) * n, -(-n_samples // mb) * w
+    contenders = {"ours": ours, "plain": bare}
+    if flow_grpo is not None:
+        contenders["flow_grpo"] = flow_grpo_train(flow_grpo, policy, args, lat, (emb, pooled, nemb, npooled), params, groups)
+    return contenders, len(groups) * n, -(-n_samples // mb) * w
+
+
+# -- the original Flow-GRPO code, from a local checkout (--flow-grpo) ------------------------------
+def import_flow_grpo(path: str):
+    """github.com/yifan123/flow_grpo's two diffusers patches (they need only torch and diffusers)."""
+    import importlib
+
+    if not os.path.isdir(os.path.join(path, "flow_grpo", "diffusers_patch")):
+        raise SystemExit(f"--flow-grpo: {path} is not a flow_grpo checkout (no flow_grpo/diffusers_patch)")
+    sys.path.insert(0, os.path.abspath(path))
+    patch = "flow_grpo.diffusers_patch."
+    return (importlib.import_module(patch + "sd3_pipeline_with_logprob").pipeline_with_logprob,
+            importlib.import_module(patch + "sd3_sde_with_logprob").sde_step_with_logprob)
+
+
+def flow_grpo_rollout(flow_grpo, policy, prompts, args):
+    """Its `pipeline_with_logprob` (SDE on every step, log-probs recorded, decoded to a tensor), on
+    our pipeline object, one prompt per sample as its train_sd3.py passes them."""
+    import torch
+
+    pipeline_with_logprob, _ = flow_grpo
+    pipe, res = policy.adapter.pipeline, policy.adapter.resolution
+    per_sample = [p for p in prompts for _ in range(args.group_size)]
+
+    def run(r):
+        pipeline_with_logprob(pipe, prompt=per_sample, num_inference_steps=args.steps, guidance_scale=args.cfg,
+                              output_type="pt", height=res, width=res, noise_level=args.noise_level,
+                              max_sequence_length=policy.adapter.max_sequence_length,
+                              generator=torch.Generator().manual_seed(r))
+
+    return run
+
+
+def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
+    """Its train_sd3.py inner loop, re-typed: per micro-batch and trained step, `compute_log_prob`
+    (one CFG batch [uncond; cond], the unconditional half detached, its `sde_step_with_logprob`
+    against the recorded next latent), the clipped-ratio policy loss (beta 0) and backward; one
+    clipped AdamW step per batch (its accelerate accumulation spans the batch)."""
+    import torch
+
+    _, sde_step_with_logprob = flow_grpo
+    pipe, tr = policy.adapter.pipeline, policy.adapter.transformer
+    emb, pooled, nemb, npooled = embeds
+    pipe.scheduler.set_timesteps(args.steps, device=lat.device)
+    n_samples, w, mb = lat.shape[0], lat.shape[1] - 1, args.micro_batch
+    timesteps = pipe.scheduler.timesteps[:w].repeat(n_samples, 1)
+    old_log_probs = torch.cat([g.log_probs for g in groups]).to(lat.device)
+    advantages = torch.randn(n_samples, generator=torch.Generator().manual_seed(0)).to(lat.device)
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
+
+    def run(_r):
+        for m in range(0, n_samples, mb):
+            sl = slice(m, m + mb)
+            e, p = torch.cat([nemb[sl], emb[sl]]), torch.cat([npooled[sl], pooled[sl]])
+            for j in range(w):
+                x = lat[sl, j]
+                v = tr(hidden_states=torch.cat([x, x]), timestep=torch.cat([timesteps[sl, j]] * 2), encoder_hidden_states=e,
+                       pooled_projections=p, return_dict=False)[0]
+                v_uncond, v_cond = v.chunk(2)
+                v_uncond = v_uncond.detach()
+                v = v_uncond + args.cfg * (v_cond - v_uncond)
+                _, log_prob, _, _ = sde_step_with_logprob(pipe.scheduler, v.float(), timesteps[sl, j], x.float(),
+                                                          prev_sample=lat[sl, j + 1].float(), noise_level=args.noise_level)
+                ratio = torch.exp(log_prob - old_log_probs[sl, j])
+                adv = advantages[sl]
+                loss = torch.mean(torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2)))
+                loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    return run
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -299,6 +398,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--top", type=int, default=12, help="profile rows")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--flow-grpo", default=None, metavar="DIR",
+                    help="also time the original Flow-GRPO code from this checkout of github.com/yifan123/flow_grpo")
     ap.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/phases/<name>.json)")
     ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: pool the rounds of earlier runs (same settings) into one table")
@@ -321,6 +422,7 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
+    flow_grpo = import_flow_grpo(args.flow_grpo) if args.flow_grpo else None
     from async_flowgrpo.config import EMBEDDED_MODEL
     from async_flowgrpo.policy import DiffusionPolicy
 
@@ -348,17 +450,14 @@ def main(argv=None) -> dict:
             f"CFG {args.cfg}, LoRA r{args.lora_rank}, {args.threads} thread(s)")
         for phase in phases:
             if phase == "rollout":
-                contenders = rollout_contenders(policy, prompts, args)
+                contenders = rollout_contenders(policy, prompts, args, flow_grpo)
                 extra = {}
             else:
-                contenders, n_samples, passes = train_contenders(policy, prompts, args)
+                contenders, n_samples, passes = train_contenders(policy, prompts, args, flow_grpo)
                 extra = {"forward_backward_passes": passes}
             log(f"{phase}: {args.warmup} warm-up + {args.rounds} rounds")
             wall, cpu = run_rounds(contenders, args.rounds, args.warmup)
-            entry = {name: summarize(t) for name, t in wall.items()}
-            entry.update(compare(wall["ours"], wall["plain"]), **extra)
-            entry["cpu"] = {name: summarize(t) for name, t in cpu.items()}
-            entry["cpu"].update(compare(cpu["ours"], cpu["plain"]))
+            entry = {**phase_entry(wall), **extra, "cpu": phase_entry(cpu)}
             if not args.no_profile:
                 entry["profile"] = {name: profile(lambda f=f: f(10_000), args.top) for name, f in contenders.items()}
             result["phases"][phase] = entry
@@ -399,10 +498,10 @@ def pool(files: list[str]) -> dict:
     for phase, e0 in runs[0]["phases"].items():
         entry = {}
         for clock in ("wall", "cpu"):
+            names = [n for n in CONTENDERS if n in e0]
             times = {n: [t for r in runs for t in (r["phases"][phase] if clock == "wall" else r["phases"][phase]["cpu"])[n]["times_s"]]
-                     for n in ("ours", "plain")}
-            d = {n: summarize(t) for n, t in times.items()}
-            d.update(compare(times["ours"], times["plain"]))
+                     for n in names}
+            d = phase_entry(times)
             if clock == "wall":
                 entry.update(d)
             else:
@@ -417,12 +516,13 @@ def pool(files: list[str]) -> dict:
 def report(result: dict) -> str:
     out = io.StringIO()
     w = out.write
-    w("\nphase    contender clock  median_s   min_s   max_s   iqr_s   ours/plain (medians | paired)\n")
+    w("\nphase    contender clock  median_s   min_s   max_s   iqr_s   ours/this (medians | paired)\n")
     for phase, e in result["phases"].items():
         for clock, d in (("wall", e), ("cpu", e["cpu"])):
-            for name in ("ours", "plain"):
+            for name in [n for n in CONTENDERS if n in d]:
                 s = d[name]
-                ratio = f"{d['ratio_of_medians']:.3f} | {d['median_paired_ratio']:.3f}" if name == "ours" else ""
+                c = d if name == "plain" else d.get("vs_flow_grpo") if name == "flow_grpo" else None
+                ratio = f"{c['ratio_of_medians']:.3f} | {c['median_paired_ratio']:.3f}" if c else ""
                 w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
                   f"{s['iqr_s']:7.3f}   {ratio}\n")
     for phase, e in result["phases"].items():

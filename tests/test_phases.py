@@ -181,3 +181,50 @@ def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path)
     pooled = phases.main(["--pool", str(out), str(out), "--out", str(tmp_path / "pooled.json")])
     assert len(pooled["phases"]["train"]["plain"]["times_s"]) == len(pooled["phases"]["train"]["cpu"]["ours"]["times_s"]) == 4
     assert pooled["phases"]["train"]["ratio_of_medians"] == pytest.approx(train["ratio_of_medians"])
+
+
+FAKE_PIPELINE = '''
+import torch
+
+calls = []
+
+
+def pipeline_with_logprob(self, prompt=None, **kw):
+    calls.append(len(prompt))
+    return self(prompt=prompt, num_inference_steps=kw["num_inference_steps"], guidance_scale=kw["guidance_scale"],
+                height=kw["height"], width=kw["width"], output_type=kw["output_type"], generator=kw["generator"],
+                max_sequence_length=kw["max_sequence_length"]), [], []
+'''
+FAKE_SDE = '''
+calls = []
+
+
+def sde_step_with_logprob(self, model_output, timestep, sample, noise_level=0.7, prev_sample=None):
+    calls.append(int(model_output.shape[0]))
+    mean = sample + 0.1 * model_output
+    return prev_sample, -((prev_sample - mean) ** 2).mean(dim=(1, 2, 3)), mean, 0.1
+'''
+
+
+def test_the_flow_grpo_contenders_call_its_two_functions_per_sample_and_per_pass(phases, tiny_model_dir, tmp_path):
+    """--flow-grpo: a stand-in checkout with the two patch modules; the rollout passes one prompt
+    per sample, the trainer calls its SDE step once per micro-batch and trained step, and the
+    result has ours/flow_grpo ratios."""
+    patch = tmp_path / "flow_grpo" / "flow_grpo" / "diffusers_patch"
+    patch.mkdir(parents=True)
+    (patch / "sd3_pipeline_with_logprob.py").write_text(FAKE_PIPELINE)
+    (patch / "sd3_sde_with_logprob.py").write_text(FAKE_SDE)
+    result = phases.main([
+        "--model", tiny_model_dir, "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4",
+        "--micro-batch", "2", "--rounds", "1", "--warmup", "0", "--no-profile", "--no-uncond-grad",
+        "--flow-grpo", str(tmp_path / "flow_grpo"),
+    ])
+    import flow_grpo.diffusers_patch.sd3_pipeline_with_logprob as fake_pipeline
+    import flow_grpo.diffusers_patch.sd3_sde_with_logprob as fake_sde
+
+    assert fake_pipeline.calls == [4]  # 2 prompts x 2 images, one prompt per sample
+    assert fake_sde.calls == [2] * 4  # 2 micro-batches x 2 trained steps, each micro-batch of 2
+    for phase in result["phases"].values():
+        assert len(phase["flow_grpo"]["times_s"]) == 1 and phase["vs_flow_grpo"]["ratio_of_medians"] > 0
+    with pytest.raises(SystemExit, match="not a flow_grpo checkout"):
+        phases.main(["--model", tiny_model_dir, "--flow-grpo", str(tmp_path)])

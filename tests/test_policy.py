@@ -175,3 +175,42 @@ def test_full_fine_tune_reference(model_dir):
     ref = DiffusionPolicy(model_dir, lora_rank=0, reference_copy=True)
     _, mean, _, ref_mean = recompute(ref, [(g, 0, 0)], with_ref=True)
     torch.testing.assert_close(mean.detach(), ref_mean, rtol=0, atol=0)
+
+
+def test_sd3_without_uncond_grad_runs_the_unconditional_half_without_a_graph(policy):
+    """uncond_grad=False: the unconditional half is a separate no-grad forward, so backward covers
+    the conditional half only; the velocity is unchanged and the gradient is g * d(v_cond)."""
+    g = gen(policy, seed=3, n=2)[0]
+    adapter, guidance = policy.adapter, 4.5
+    x, sigma = g.latents[:, 1], g.sigmas[1].expand(g.size)
+    cond = [t.expand(g.size, *t.shape) for t in
+            (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)]
+    lora_b = [p for n, p in adapter.transformer.named_parameters() if "lora_B" in n]
+    weights = torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
+    grad_enabled = []
+
+    def grads(v_fn):
+        for p in lora_b:
+            p.grad = None
+        (v_fn() * weights).sum().backward()
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in lora_b])
+
+    with torch.no_grad():
+        saved = [p.clone() for p in lora_b]
+        for p in lora_b:  # B = 0 at init would leave only B's own gradient
+            p.normal_(0, 0.05)
+    hook = adapter.transformer.register_forward_hook(lambda *_: grad_enabled.append(torch.is_grad_enabled()))
+    try:
+        g_split = grads(lambda: adapter.velocity(x, sigma, *cond, guidance_scale=guidance, uncond_grad=False))
+        assert grad_enabled == [False, True]
+        g_alone = grads(lambda: guidance * adapter.velocity(x, sigma, *cond[:2], guidance_scale=1.0))
+        with torch.no_grad():
+            v_split = adapter.velocity(x, sigma, *cond, guidance_scale=guidance, uncond_grad=False)
+            v_batched = adapter.velocity(x, sigma, *cond, guidance_scale=guidance)
+    finally:
+        hook.remove()
+        with torch.no_grad():
+            for p, s in zip(lora_b, saved):
+                p.copy_(s)
+    torch.testing.assert_close(g_split, g_alone, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(v_split, v_batched, rtol=0, atol=0)  # no graph: one batched forward either way

@@ -6,6 +6,8 @@ import importlib
 import json
 import os
 
+from collections.abc import Callable
+
 import torch
 
 # diffusers pipeline class -> (module, adapter class), one per family (ModelConfig.family: sd3,
@@ -45,17 +47,25 @@ class TransformerPlacement:
         return self._placed()[2]
 
 
-def combine_guidance(v: torch.Tensor, guidance_scale: float, *, uncond_grad: bool = True) -> torch.Tensor:
-    """Classifier-free guidance from one batch [unconditional; conditional]: v_u + g (v_c - v_u).
+def guided_velocity(forward: Callable[..., torch.Tensor], cond: tuple, uncond: tuple, guidance_scale: float, *,
+                    uncond_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Classifier-free guidance, v_u + g (v_c - v_u); returns (guided velocity, v_c).
 
-    uncond_grad=False stops the gradient through the unconditional half (flow_grpo's trainer
-    does not differentiate it): with a shared LoRA the unconditional branch enters with weight
-    1 - g (-3.5 at g = 4.5), and its gradient was measured to drive the collapse of the training
-    reward at lr 1e-3 on the embedded model (shared/notes/learning.md). The forward is unchanged."""
-    v_uncond, v_cond = v.chunk(2)
-    if not uncond_grad:
-        v_uncond = v_uncond.detach()
-    return v_uncond + guidance_scale * (v_cond - v_uncond)
+    `forward(*inputs)` runs the transformer on a batch; `cond` and `uncond` are its inputs for the
+    conditional and unconditional halves (tensors batched along dim 0). Usually both halves go
+    through one forward, batched. uncond_grad=False stops the gradient through the unconditional
+    half (flow_grpo's trainer does not differentiate it either): with a shared LoRA it enters with
+    weight 1 - g (-3.5 at g = 4.5), and its gradient was measured to drive the collapse of the
+    training reward at lr 1e-3 on the embedded model (shared/notes/learning.md). When gradients
+    are on, that half then runs on its own under no_grad, so that backward covers the conditional
+    half only: flow_grpo batches both and detaches one, and pays a backward over both."""
+    if torch.is_grad_enabled() and not uncond_grad:
+        with torch.no_grad():
+            v_uncond = forward(*uncond)
+        v_cond = forward(*cond)
+    else:
+        v_uncond, v_cond = forward(*(torch.cat([u, c]) for u, c in zip(uncond, cond))).chunk(2)
+    return v_uncond + guidance_scale * (v_cond - v_uncond), v_cond
 
 
 def check_model_dir(path: str) -> None:

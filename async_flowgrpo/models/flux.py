@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import TransformerPlacement, check_model_dir, combine_guidance
+from async_flowgrpo.models import TransformerPlacement, check_model_dir, guided_velocity
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
@@ -175,30 +175,24 @@ class FluxAdapter(TransformerPlacement):
         b, _, h, w = latents.shape
         x = pack_latents(latents.to(self.device, dt))
         t = sigma.to(self.device, torch.float32).expand(b)  # the transformer multiplies by 1000
-        true_cfg = guidance_scale > 1.0 and not self.guidance_distilled
-        if true_cfg:
-            if negative_embeds is None or negative_pooled is None:
-                raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([negative_embeds, embeds])
-            pooled = torch.cat([negative_pooled, pooled])
-        guidance = None
-        if self.guidance_distilled:
-            guidance = torch.full((x.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
         img_ids = self.pipeline._prepare_latent_image_ids(None, h // 2, w // 2, self.device, dt)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dt)
-        v = transformer(
-            hidden_states=x,
-            timestep=t,
-            guidance=guidance,
-            pooled_projections=pooled.to(self.device, dt),
-            encoder_hidden_states=embeds.to(self.device, dt),
-            txt_ids=txt_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0].float()
-        if true_cfg:
-            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
+
+        def forward(x, t, embeds, pooled):
+            guidance = None
+            if self.guidance_distilled:
+                guidance = torch.full((x.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
+            return transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled.to(self.device, dt),
+                               encoder_hidden_states=embeds.to(self.device, dt), txt_ids=txt_ids, img_ids=img_ids,
+                               return_dict=False)[0].float()
+
+        if guidance_scale > 1.0 and not self.guidance_distilled:  # true CFG
+            if negative_embeds is None or negative_pooled is None:
+                raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
+            v, _ = guided_velocity(forward, (x, t, embeds, pooled), (x, t, negative_embeds, negative_pooled), guidance_scale,
+                                   uncond_grad=uncond_grad)
+        else:
+            v = forward(x, t, embeds, pooled)
         return unpack_latents(v, h, w)
 
     @torch.no_grad()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import TransformerPlacement, combine_guidance
+from async_flowgrpo.models import TransformerPlacement, guided_velocity
 from async_flowgrpo.models.flux import flow_sigmas, load_pipeline, pack_latents, unpack_latents
 from async_flowgrpo.models.sd3 import PromptEmbeds
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
@@ -137,30 +137,29 @@ class QwenImageAdapter(TransformerPlacement):
         b, _, h, w = latents.shape
         x = pack_latents(latents.to(self.device, dt))
         t = sigma.to(self.device, torch.float32).expand(b)
-        mask = pooled
-        cfg = guidance_scale > 1.0
-        if cfg:
+
+        def forward(x, t, embeds, mask):
+            mask = mask.to(self.device) > 0.5
+            # trim the shared padding: up to the batch's last valid token
+            valid = mask.any(0).nonzero()
+            length = int(valid.max()) + 1 if len(valid) else 1
+            mask = mask[:, :length]
+            return transformer(
+                hidden_states=x,
+                timestep=t,
+                encoder_hidden_states=embeds[:, :length].to(self.device, dt),
+                encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+                img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
+                return_dict=False,
+            )[0].float()
+
+        if guidance_scale <= 1.0:
+            v = forward(x, t, embeds, pooled)
+        else:
             if negative_embeds is None or negative_pooled is None:
                 raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
-            x, t = torch.cat([x, x]), torch.cat([t, t])
-            embeds = torch.cat([negative_embeds, embeds])
-            mask = torch.cat([negative_pooled, pooled])
-        mask = mask.to(self.device) > 0.5
-        # trim the shared padding: up to the batch's last valid token
-        valid = mask.any(0).nonzero()
-        length = int(valid.max()) + 1 if len(valid) else 1
-        mask = mask[:, :length]
-        v = transformer(
-            hidden_states=x,
-            timestep=t,
-            encoder_hidden_states=embeds[:, :length].to(self.device, dt),
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
-            return_dict=False,
-        )[0].float()
-        if cfg:
-            v_cond = v.chunk(2)[1]
-            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
+            v, v_cond = guided_velocity(forward, (x, t, embeds, pooled), (x, t, negative_embeds, negative_pooled),
+                                        guidance_scale, uncond_grad=uncond_grad)
             v = v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))
         return unpack_latents(v, h, w)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from async_flowgrpo.models import TransformerPlacement, check_model_dir, combine_guidance
+from async_flowgrpo.models import TransformerPlacement, check_model_dir, guided_velocity
 from async_flowgrpo.models.tiny_sd3 import read_model_settings
 
 # peft target modules: the joint-attention projections of every MMDiT block (image and text
@@ -125,30 +125,24 @@ class SD3Adapter(TransformerPlacement):
         """Velocity prediction in float32 for latents at per-sample sigma [B].
 
         SD3's timestep is sigma * 1000. With guidance_scale > 1 the unconditional and conditional
-        halves run as one batch and combine as v_u + g (v_c - v_u). `transformer` substitutes a
+        halves combine as v_u + g (v_c - v_u) (see `guided_velocity`). `transformer` substitutes a
         frozen reference copy (full fine-tuning); by default the pipeline's own is used.
         """
         transformer = transformer if transformer is not None else self.transformer
         dt = self.dtype
         x = latents.to(self.device, dt)
         t = sigma.to(self.device, torch.float32).expand(x.shape[0]) * 1000
-        cfg = guidance_scale > 1.0
-        if cfg:
-            if negative_embeds is None or negative_pooled is None:
-                raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
-            x = torch.cat([x, x])
-            t = torch.cat([t, t])
-            embeds = torch.cat([negative_embeds, embeds])
-            pooled = torch.cat([negative_pooled, pooled])
-        v = transformer(
-            hidden_states=x,
-            timestep=t,
-            encoder_hidden_states=embeds.to(self.device, dt),
-            pooled_projections=pooled.to(self.device, dt),
-            return_dict=False,
-        )[0].float()
-        if cfg:
-            v = combine_guidance(v, guidance_scale, uncond_grad=uncond_grad)
+
+        def forward(x, t, embeds, pooled):
+            return transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds.to(self.device, dt),
+                               pooled_projections=pooled.to(self.device, dt), return_dict=False)[0].float()
+
+        if guidance_scale <= 1.0:
+            return forward(x, t, embeds, pooled)
+        if negative_embeds is None or negative_pooled is None:
+            raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
+        v, _ = guided_velocity(forward, (x, t, embeds, pooled), (x, t, negative_embeds, negative_pooled), guidance_scale,
+                               uncond_grad=uncond_grad)
         return v
 
     @torch.no_grad()
