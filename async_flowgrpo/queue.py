@@ -19,7 +19,7 @@ Accounting (groups; every group a worker starts ends up in exactly one bucket):
 ``started``/``released`` are the controller's counters, ``produced``/``consumed``/``dropped_stale``/
 ``drained``/``queued`` the queue's, ``in_flight`` is what workers are generating (or scoring) right
 now. ``released`` counts every slot given back: `release_start` by a worker whose started group
-will never be delivered (reward failed, sample aborted, worker died; without it the slot stays
+will never be delivered (reward failed, worker died, stopped; without it the slot stays
 taken and the trainer may wait forever), groups dropped as stale, groups drained at shutdown, and
 on resume the groups lost with the old run. So ``admitted = started - released`` is exactly
 ``consumed + queued + in_flight``. (This holds when every producer takes a slot with

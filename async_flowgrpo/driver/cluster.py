@@ -40,19 +40,21 @@ def init_ray(cfg: Config) -> None:
             raise RunError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
     if ray.is_initialized():
         return
-    env = {"env_vars": {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}}
+    env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     to_console = cfg.logging.actor_output == "console"
     if address:
         try:
-            ray.init(address=address, runtime_env=env, log_to_driver=to_console)
+            ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
         except (ConnectionError, RuntimeError) as e:
             raise RunError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
     else:
+        # A Ray started here inherits this process's environment. Without a runtime_env the actors
+        # can take the worker processes Ray starts ahead (a runtime_env makes it start new ones).
+        os.environ.update(env_vars)
         ray.init(
             num_cpus=cfg.ray.num_cpus or os.cpu_count(),
             num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
             include_dashboard=False,
-            runtime_env=env,
             log_to_driver=to_console,
         )
 
