@@ -86,6 +86,11 @@ class GracefulStop:
         self._abandonable += 1
         try:
             yield
+        except SystemError as e:
+            # Ray hands an exception raised by a signal handler during ray.get back as SystemError
+            if isinstance(e.__cause__, StopRequested):
+                raise e.__cause__ from None
+            raise
         finally:
             self._abandonable -= 1
 

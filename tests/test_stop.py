@@ -25,6 +25,20 @@ def test_a_signal_while_waiting_for_rollouts_leaves_at_once():
             pytest.fail("not reached")
 
 
+def test_a_stop_that_ray_wrapped_while_waiting_comes_out_as_the_stop():
+    """A handler's exception raised inside ray.get reaches the caller as SystemError from it."""
+    stop = GracefulStop()
+    with pytest.raises(StopRequested):
+        with stop.abandonable():
+            try:
+                stop.request(signal.SIGTERM)
+            except StopRequested as e:
+                raise SystemError("interrupted") from e
+    with pytest.raises(SystemError):  # any other SystemError is left alone
+        with GracefulStop().abandonable():
+            raise SystemError("something else")
+
+
 def test_a_second_signal_forces():
     stop = GracefulStop()
     stop.request(signal.SIGINT)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 
 import ray
@@ -20,6 +22,7 @@ from async_flowgrpo.actors.rollout import RolloutActor
 from async_flowgrpo.actors.trainer import TrainerActor
 from async_flowgrpo.config import Config
 from async_flowgrpo.rewards.pool import make_reward_pool
+from async_flowgrpo.stop import StopRequested
 from async_flowgrpo.sync import free_port, make_transport, node_ip
 
 logger = logging.getLogger(__name__)
@@ -42,21 +45,36 @@ def init_ray(cfg: Config) -> None:
         return
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     to_console = cfg.logging.actor_output == "console"
-    if address:
-        try:
-            ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
-        except (ConnectionError, RuntimeError) as e:
-            raise RunError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
-    else:
-        # A Ray started here inherits this process's environment. Without a runtime_env the actors
-        # can take the worker processes Ray starts ahead (a runtime_env makes it start new ones).
-        os.environ.update(env_vars)
-        ray.init(
-            num_cpus=cfg.ray.num_cpus or os.cpu_count(),
-            num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
-            include_dashboard=False,
-            log_to_driver=to_console,
-        )
+    # ray.init replaces the SIGTERM handler with one that exits 15 without a word: keep the caller's
+    # own handlers (the run's graceful stop)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if address:
+            try:
+                ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
+            except (ConnectionError, RuntimeError) as e:
+                raise RunError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
+        else:
+            # A Ray started here inherits this process's environment. Without a runtime_env the actors
+            # can take the worker processes Ray starts ahead (a runtime_env makes it start new ones).
+            os.environ.update(env_vars)
+            ray.init(
+                num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
+                include_dashboard=False,
+                log_to_driver=to_console,
+            )
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        # Ray's own handler, installed for the length of ray.init, took a SIGTERM: a stop during start-up
+        ray.shutdown()
+        raise StopRequested(signal.SIGTERM) from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in handlers.items():
+                if callable(handler) and handler is not signal.default_int_handler:
+                    signal.signal(sig, handler)
 
 
 def check_resources(cfg: Config) -> None:

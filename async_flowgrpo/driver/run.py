@@ -192,15 +192,19 @@ class Run:
     """Start with `with Run(cfg) as run:`; see the module docstring. `actor_classes`: passed to
     `Cluster` (stand-in actors for benchmarks)."""
 
-    def __init__(self, cfg: Config, actor_classes: dict | None = None):
+    def __init__(self, cfg: Config, actor_classes: dict | None = None, start_early: Callable[[], object] | None = None):
         self.cfg = cfg
         self.schedule = Schedule.of(cfg)
         self.checkpointer = checkpointer(cfg)
-        self.stop = GracefulStop()
+        # Before Ray starts (init_ray keeps these handlers): a signal during start-up is ours, not
+        # Ray's (which exits 15 with no message). Undone by shutdown().
+        self.stop = GracefulStop().install()
         self.log: RunLogger | None = None
-        self.cluster = Cluster(cfg, **(actor_classes or {}))
-        self.stop.install()  # after ray.init, which installs a SIGTERM handler of its own; undone by shutdown()
+        self.cluster: Cluster | None = None
         try:
+            self.cluster = Cluster(cfg, **(actor_classes or {}))
+            # once Ray is up, before the actors load their models (fully_async's queue actor starts here)
+            self.started_early = start_early() if start_early else None
             with self.stop.abandonable():  # a signal during start-up: nothing to save yet
                 self._start()
         except BaseException:
@@ -367,6 +371,8 @@ class Run:
             "next_ticket": self.trained_ticket_end,
             "consumed_samples": self.consumed_samples,
             "produced_samples": self.produced_samples,
+            "lost_samples": self.lost_samples,
+            "lost_groups": self.lost_groups,
             "skipped_groups": self.skipped_groups,
             "nonfinite_steps": self.nonfinite.steps,
             "config": dataclasses.asdict(self.cfg),  # resume compares the new config with it
@@ -401,6 +407,7 @@ class Run:
         self.trained_ticket_end = self.collected_ticket_end = state["next_ticket"]
         self.consumed_samples = state["consumed_samples"]
         self.produced_samples = state.get("produced_samples", self.consumed_samples)
+        self.lost_samples, self.lost_groups = state.get("lost_samples", 0), state.get("lost_groups", 0)
         self.skipped_groups = state.get("skipped_groups", 0)
         self.nonfinite.steps = state.get("nonfinite_steps", 0)
         self.saved_step = self.step
@@ -448,7 +455,8 @@ class Run:
             self.shutdown()
 
     def shutdown(self) -> None:
-        self.cluster.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
         if self.log is not None:
             self.log.close()
         self.stop.uninstall()

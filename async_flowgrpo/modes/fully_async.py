@@ -21,7 +21,7 @@ from __future__ import annotations
 import ray
 
 from async_flowgrpo.config import Config
-from async_flowgrpo.driver.cluster import RunError, init_ray
+from async_flowgrpo.driver.cluster import RunError
 from async_flowgrpo.driver.run import Run
 from async_flowgrpo.queue import make_queue_actor
 from async_flowgrpo.types import Group, GroupRecord
@@ -30,9 +30,11 @@ from async_flowgrpo.types import Group, GroupRecord
 def run(cfg: Config, actor_classes: dict | None = None) -> dict:
     eta, gps, total = cfg.algorithm.max_staleness, cfg.rollout.groups_per_step, cfg.trainer.total_steps
     wait, batch_wait = cfg.ray.call_timeout_s, cfg.ray.batch_wait_s
-    init_ray(cfg)  # here, so that the queue's process starts while Run's actors load their models
-    queue = make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
-    with Run(cfg, actor_classes) as run:
+    def make_queue():  # started early, so that its process starts while the other actors load their models
+        return make_queue_actor(capacity=(eta + 1) * gps, groups_per_step=gps, max_staleness=eta, drop_policy=cfg.algorithm.stale_policy)
+
+    with Run(cfg, actor_classes, start_early=make_queue) as run:
+        queue = run.started_early
         run.checkpoint_extra = lambda: {"queue": saved_queue(queue, wait)}
         # the queue's first call waits for its worker process to start: as long as the other actors may
         ray.get(queue.set_version.remote(run.version), timeout=cfg.ray.start_timeout_s)
