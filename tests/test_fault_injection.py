@@ -63,9 +63,11 @@ def _seeds(default: tuple[int, ...]) -> list[int]:
 
 # The defaults are picked to cover, between them (see DriverFault.draw): SIGTERM after a step with a
 # rollout actor killed before it (fully_async, 9), SIGKILL of the driver after a step (one_step_off,
-# 3), SIGTERM during start-up (one_step_off, 0); a trainer killed in fully_async, then an emptied
-# state.json (2). A soak run adds SIGINT, second signals, the step-0 evaluation and the other modes.
-DRIVER_SEEDS = _seeds((9, 3, 0))
+# 3); a trainer killed in fully_async, then an emptied state.json (2). A soak run adds SIGINT, second
+# signals, start-up, the step-0 evaluation and the other modes. Seed 0 (SIGTERM 6.45 s after launch)
+# is not a default: where it lands depends on the machine's speed, and right after ray.init Ray's C++
+# crash handler can still dump a stack (exit -6; README, Limitations).
+DRIVER_SEEDS = _seeds((9, 3))
 TRAINER_SEEDS = _seeds((2,))
 
 

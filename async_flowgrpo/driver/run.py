@@ -118,8 +118,9 @@ class BatchRollouts:
     def _start(self, end: int, tickets: list[int], shares: list[Share]) -> list[Share]:
         rollouts = self.cluster.rollouts
         for i in range(len(rollouts)):
-            if tickets[i :: len(rollouts)]:
-                shares.append(Share(i, tickets[i :: len(rollouts)], self._generate(i, tickets[i :: len(rollouts)])))
+            share = tickets[i :: len(rollouts)]  # round-robin
+            if share:
+                shares.append(Share(i, share, self._generate(i, share)))
         self._started.append((end, shares))
         return shares
 
@@ -190,7 +191,8 @@ class BatchRollouts:
 
 class Run:
     """Start with `with Run(cfg) as run:`; see the module docstring. `actor_classes`: passed to
-    `Cluster` (stand-in actors for benchmarks)."""
+    `Cluster` (stand-in actors for benchmarks). `start_early`: called once Ray is up, before the
+    actors load their models; its result is `started_early` (fully_async's queue actor)."""
 
     def __init__(self, cfg: Config, actor_classes: dict | None = None, start_early: Callable[[], object] | None = None):
         self.cfg = cfg
