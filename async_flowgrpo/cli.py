@@ -57,9 +57,21 @@ def _lookup_cfg(cfg: Config, key: str):
     return value
 
 
-def resume_command(argv: list[str]) -> str:
+def again_command(argv: list[str], how: str) -> str:
+    """This run's command line with `how` (trainer.resume=latest or trainer.overwrite=true) instead
+    of the user's own resume/overwrite setting."""
     kept = [a for a in argv if not a.startswith(("trainer.resume=", "trainer.overwrite="))]
-    return shlex.join(["python", sys.argv[0] if sys.argv and sys.argv[0] else "launch/<mode>.py", *kept, "trainer.resume=latest"])
+    return shlex.join(["python", sys.argv[0] if sys.argv and sys.argv[0] else "launch/<mode>.py", *kept, how])
+
+
+def stop_line(stopped: Stopped, argv: list[str]) -> str:
+    if stopped.saved:
+        return f"stopped at step {stopped.step}; resume with: {again_command(argv, 'trainer.resume=latest')}"
+    if stopped.resumable:
+        return (f"stopped at step {stopped.step} without a checkpoint of it (second signal; the previous checkpoint "
+                f"is the latest); resume with: {again_command(argv, 'trainer.resume=latest')}")
+    return (f"stopped at step {stopped.step} without a checkpoint (second signal; there is none to resume); "
+            f"start again with: {again_command(argv, 'trainer.overwrite=true')}")
 
 
 def main(mode: str, argv: list[str]) -> None:
@@ -94,15 +106,15 @@ def main(mode: str, argv: list[str]) -> None:
                 raise SystemExit(1) from None
         print(summary)
     except Stopped as e:
-        how = "" if e.saved else " without a checkpoint of it (second signal; the previous checkpoint is the latest)"
-        print(f"stopped at step {e.step}{how}; resume with: {resume_command(argv)}", file=sys.stderr)
+        print(stop_line(e, argv), file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except StopRequested as e:
         print("stopped during start-up (nothing trained by this run); run the same command again", file=sys.stderr)
         raise SystemExit(128 + e.signum) from None
     finally:
-        stop.uninstall()
+        stop.close()  # a signal during ray.shutdown would leave Ray's processes behind
         _shutdown_ray()
+        stop.uninstall()
         if lock is not None:
             lock.release()
 

@@ -6,7 +6,9 @@ never interrupts a trainer update or a checkpoint: an update interrupted half-wa
 the trainer actor and a checkpoint labelled step N would hold N+1 updates. The driver then saves
 a checkpoint, prints one line and exits 128 + signal (143 for SIGTERM, 130 for SIGINT).
 
-A second signal abandons at once, without a checkpoint: the previous one stays the latest.
+A second signal abandons at once, without a checkpoint: the previous one stays the latest. Once
+the driver is closing (actors and Ray being shut down) signals are noted and nothing more: leaving
+then would leave Ray's processes behind.
 """
 
 from __future__ import annotations
@@ -28,12 +30,23 @@ class StopRequested(BaseException):
         self.signum, self.force = signum, force
 
 
-class Stopped(Exception):
-    """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists."""
+def as_stop(error: BaseException) -> StopRequested | None:
+    """The StopRequested that `error` is, or carries: Ray hands an exception raised by a signal
+    handler during ray.get back as a SystemError caused by it."""
+    if isinstance(error, StopRequested):
+        return error
+    if isinstance(error, SystemError) and isinstance(error.__cause__, StopRequested):
+        return error.__cause__
+    return None
 
-    def __init__(self, signum: int, step: int, saved: bool):
+
+class Stopped(Exception):
+    """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists;
+    ``resumable``: some checkpoint exists (a second signal may have left none)."""
+
+    def __init__(self, signum: int, step: int, saved: bool, resumable: bool):
         super().__init__(f"stopped at step {step}")
-        self.signum, self.step, self.saved = signum, step, saved
+        self.signum, self.step, self.saved, self.resumable = signum, step, saved, resumable
         self.exit_code = 128 + signum
 
 
@@ -43,6 +56,7 @@ class GracefulStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._abandonable = 0
+        self._closing = False
         self._previous: dict[int, object] = {}
 
     def install(self) -> "GracefulStop":
@@ -64,11 +78,18 @@ class GracefulStop:
         self.request(signum)
 
     def request(self, signum: int) -> None:
+        if self._closing:
+            self.signum = self.signum or signum
+            return
         if self.signum is not None:
             raise StopRequested(self.signum, force=True)  # asked twice: leave now
         self.signum = signum
         if self._abandonable:
             raise StopRequested(signum)
+
+    def close(self) -> None:
+        """The driver is shutting down: from now on a signal is noted, never raised."""
+        self._closing = True
 
     @property
     def requested(self) -> bool:
@@ -87,9 +108,9 @@ class GracefulStop:
         try:
             yield
         except SystemError as e:
-            # Ray hands an exception raised by a signal handler during ray.get back as SystemError
-            if isinstance(e.__cause__, StopRequested):
-                raise e.__cause__ from None
+            stop = as_stop(e)
+            if stop is not None:
+                raise stop from None
             raise
         finally:
             self._abandonable -= 1

@@ -465,7 +465,23 @@ def main(argv=None) -> dict:
         shutil.rmtree(workdir, ignore_errors=True)
 
     result["machine"]["load_average_at_end"] = list(os.getloadavg())
+    add_sequential_step(result)
     return write(result, args.out)
+
+
+def add_sequential_step(result: dict) -> None:
+    """With both phases: each contender's rollout + train step of the same round, the step of a
+    synchronous loop without orchestration (Flow-GRPO's train_sd3.py is one), as samples/s."""
+    phases = result["phases"]
+    if not {"rollout", "train"} <= set(phases):
+        return
+    step = {}
+    for clock in ("wall", "cpu"):
+        roll, train = (phases[p] if clock == "wall" else phases[p]["cpu"] for p in ("rollout", "train"))
+        for name in [n for n in CONTENDERS if n in roll and n in train and n != "plain"]:
+            sums = [a + b for a, b in zip(roll[name]["times_s"], train[name]["times_s"])]
+            step.setdefault(name, {})[clock] = {**summarize(sums), "samples_per_s": result["samples"] / statistics.median(sums)}
+    result["sequential_step"] = step
 
 
 def write(result: dict, out: str | None) -> dict:
@@ -510,6 +526,7 @@ def pool(files: list[str]) -> dict:
             if key in e0:
                 entry[key] = e0[key]
         result["phases"][phase] = entry
+    add_sequential_step(result)
     return result
 
 
@@ -525,6 +542,11 @@ def report(result: dict) -> str:
                 ratio = f"{c['ratio_of_medians']:.3f} | {c['median_paired_ratio']:.3f}" if c else ""
                 w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
                   f"{s['iqr_s']:7.3f}   {ratio}\n")
+    if result.get("sequential_step"):
+        w("\nsequential step (rollout + train step of each round; a synchronous loop without orchestration):\n")
+        for name, clocks in result["sequential_step"].items():
+            w("  " + f"{name:9s} " + ", ".join(f"{clock} median {d['median_s']:.3f} s = {d['samples_per_s']:.2f} samples/s"
+                                              for clock, d in clocks.items()) + "\n")
     for phase, e in result["phases"].items():
         if "profile" not in e:
             continue

@@ -7,6 +7,8 @@ shared between tests (module-scoped fixtures), since starting actors dominates t
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -206,6 +208,37 @@ def test_unreachable_ray_address_fails_fast(tiny_model_dir, prompt_file, tmp_pat
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.address=127.0.0.1:1", "ray.connect_timeout_s=2")
     with pytest.raises(RunError, match="ray.address"):
         init_ray(cfg)
+
+
+def test_a_sigterm_in_the_last_moments_of_ray_init_reaches_the_drivers_handler(tmp_path):
+    """ray.init would take SIGTERM twice over: a Python handler that exits 15 without a word, and
+    its core worker's C++ crash handler, which dumps a stack and aborts. A SIGTERM sent right after
+    the driver's core worker starts (inside ray.init) must reach the handler the driver installed
+    before (the run's graceful stop), and one after init_ray too."""
+    script = (
+        "import os, signal, time\n"
+        "import ray\n"
+        "import ray._private.worker as worker\n"
+        "from async_flowgrpo.config import load_config\n"
+        "from async_flowgrpo.driver.cluster import init_ray\n"
+        "connect = worker.connect\n"
+        "def connect_then_signal(*args, **kwargs):\n"
+        "    result = connect(*args, **kwargs)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    return result\n"
+        "worker.connect = connect_then_signal\n"
+        "got = []\n"
+        "signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))\n"
+        f"init_ray(load_config('sync', ['ray.num_cpus=1', 'trainer.output_dir={tmp_path}']))\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.2)\n"
+        "ray.shutdown()\n"
+        "print('handled', len(got))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "RAY_ADDRESS": ""})
+    assert done.returncode == 0 and "handled 2" in done.stdout, (done.returncode, done.stderr[-2000:])
 
 
 def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

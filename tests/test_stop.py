@@ -47,9 +47,35 @@ def test_a_second_signal_forces():
     assert err.value.force
 
 
+def test_once_closing_a_signal_is_noted_and_never_raised():
+    """Shutting down (actors, Ray) must finish: a signal then would leave processes behind."""
+    stop = GracefulStop()
+    stop.request(signal.SIGTERM)
+    stop.close()
+    stop.request(signal.SIGINT)  # would force (raise) before close()
+    assert stop.signum == signal.SIGTERM
+    fresh = GracefulStop()
+    fresh.close()
+    fresh.request(signal.SIGINT)
+    assert fresh.signum == signal.SIGINT
+
+
 def test_exit_codes_follow_the_shell_convention():
-    assert Stopped(signal.SIGTERM, 3, True).exit_code == 143
-    assert Stopped(signal.SIGINT, 3, True).exit_code == 130
+    assert Stopped(signal.SIGTERM, 3, True, True).exit_code == 143
+    assert Stopped(signal.SIGINT, 3, True, True).exit_code == 130
+
+
+def test_the_stop_line_says_how_to_go_on():
+    """Resume when there is a checkpoint; start again (overwrite) when a second signal left none."""
+    from async_flowgrpo.cli import stop_line
+
+    argv = ["trainer.output_dir=/tmp/x", "trainer.resume=latest"]
+    assert stop_line(Stopped(signal.SIGTERM, 4, saved=True, resumable=True), argv).startswith("stopped at step 4; resume with: ")
+    previous = stop_line(Stopped(signal.SIGTERM, 4, saved=False, resumable=True), argv)
+    assert "previous checkpoint is the latest" in previous and previous.endswith("trainer.output_dir=/tmp/x trainer.resume=latest")
+    none = stop_line(Stopped(signal.SIGINT, 0, saved=False, resumable=False), argv)
+    assert "none to resume" in none and "start again with: " in none
+    assert none.endswith("trainer.output_dir=/tmp/x trainer.overwrite=true") and "resume=" not in none
 
 
 def test_install_handles_a_real_signal_and_uninstall_restores():

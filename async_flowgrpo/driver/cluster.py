@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
-import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
+from unittest import mock
 
 import ray
 import torch
@@ -22,7 +23,6 @@ from async_flowgrpo.actors.rollout import RolloutActor
 from async_flowgrpo.actors.trainer import TrainerActor
 from async_flowgrpo.config import Config
 from async_flowgrpo.rewards.pool import make_reward_pool
-from async_flowgrpo.stop import StopRequested
 from async_flowgrpo.sync import free_port, make_transport, node_ip
 
 logger = logging.getLogger(__name__)
@@ -45,10 +45,7 @@ def init_ray(cfg: Config) -> None:
         return
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     to_console = cfg.logging.actor_output == "console"
-    # ray.init replaces the SIGTERM handler with one that exits 15 without a word: keep the caller's
-    # own handlers (the run's graceful stop)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
+    with _driver_signals_kept():
         if address:
             try:
                 ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
@@ -64,17 +61,19 @@ def init_ray(cfg: Config) -> None:
                 include_dashboard=False,
                 log_to_driver=to_console,
             )
-    except SystemExit as e:
-        if e.code != signal.SIGTERM:
-            raise
-        # Ray's own handler, installed for the length of ray.init, took a SIGTERM: a stop during start-up
-        ray.shutdown()
-        raise StopRequested(signal.SIGTERM) from None
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            for sig, handler in handlers.items():
-                if callable(handler) and handler is not signal.default_int_handler:
-                    signal.signal(sig, handler)
+
+
+@contextmanager
+def _driver_signals_kept() -> Iterator[None]:
+    """ray.init takes SIGTERM twice over: a Python handler (sys.exit(15), without a word) and, in the
+    driver's core worker, Ray's C++ crash handler (a stack dump and exit -6 when the signal lands in
+    its last moments). The driver's own handlers (the run's graceful stop, installed before Ray
+    starts) must see every signal, so ray.init here installs neither. Actor processes keep both."""
+    from ray._private import ray_constants, utils
+
+    with mock.patch.object(utils, "set_sigterm_handler", lambda handler: None), \
+            mock.patch.object(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True):
+        yield
 
 
 def check_resources(cfg: Config) -> None:

@@ -33,7 +33,7 @@ from async_flowgrpo.driver.batch import Batch, make_batch
 from async_flowgrpo.driver.cluster import Cluster, RunError
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
-from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, as_stop
 from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
@@ -429,14 +429,20 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
         line; always shut down."""
+        stop = as_stop(exc) if exc is not None else None
         try:
-            if exc_type is not None and issubclass(exc_type, StopRequested):
-                # Raised only between steps or while waiting for rollouts: step N holds exactly N updates.
+            if stop is not None:
+                # Raised only between steps or while waiting for rollouts (a second signal: anywhere).
                 # Saved even when step N already was: the rollouts finished since then go in too.
-                if not exc.force:
-                    self.save_checkpoint(at_stop=True)
-                saved = not exc.force or self.saved_step == self.step
-                raise Stopped(exc.signum, self.step, saved) from None
+                if not stop.force:
+                    try:
+                        self.save_checkpoint(at_stop=True)
+                    except BaseException as e:
+                        if as_stop(e) is None:
+                            raise
+                        # asked again while saving: the save is abandoned, the previous checkpoint stays the latest
+                raise Stopped(stop.signum, self.step, saved=self.saved_step == self.step,
+                              resumable=self.checkpointer.latest_name() is not None) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
                 last = self.checkpointer.latest_name()
                 raise RunError(
@@ -449,6 +455,7 @@ class Run:
                 cause = exc.cause if getattr(exc, "cause", None) is not None else exc
                 raise RunError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
         finally:
+            self.stop.close()
             for fn in self._on_exit:
                 try:
                     fn()
@@ -457,6 +464,7 @@ class Run:
             self.shutdown()
 
     def shutdown(self) -> None:
+        self.stop.close()  # a signal now would leave actors behind
         if self.cluster is not None:
             self.cluster.shutdown()
         if self.log is not None:
