@@ -93,7 +93,7 @@ class AlgorithmConfig:
     clip_range: float = 1e-4
     adv_clip: float = 5.0
     is_cap: float = 2.0  # truncation of the staleness weight exp(prox - behav)
-    beta: float = 0.0  # KL to the reference (adapters disabled); 0.04 in Flow-GRPO quality runs
+    beta: float = 0.0  # KL to the reference (adapters disabled); config/base.yaml: 0.04, as Flow-GRPO's quality runs
     prox_mode: str = "recompute"  # recompute | bypass
     uncond_grad: bool = True  # false: with CFG, differentiate the conditional branch only (as flow_grpo)
     global_std: bool = True
@@ -359,7 +359,8 @@ def validate(c: Config) -> None:
         _require(a.nft_decay_start >= 0, "algorithm.nft_decay_start", "must be >= 0")
         _require(a.nft_decay_rate >= 0, "algorithm.nft_decay_rate", "must be >= 0")
         _require(0 <= a.nft_decay_max < 1, "algorithm.nft_decay_max", "must be in [0, 1) (1 would freeze the sampling policy)")
-    _require(not (a.beta > 0 and c.model.lora_rank == 0), "algorithm.beta", "KL to the reference needs LoRA (model.lora_rank > 0)")
+    _require(not (a.beta > 0 and c.model.lora_rank == 0), "algorithm.beta",
+             f"{a.beta:g}: KL to the reference needs LoRA (model.lora_rank > 0); with model.lora_rank=0 set algorithm.beta=0")
     if c.mode == "sync":
         _require(a.max_staleness == 0, "algorithm.max_staleness", "sync mode is max_staleness 0")
     if c.mode == "one_step_off":

@@ -461,7 +461,7 @@ def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_mode
     gathered weights reach the rollout actor (digest-verified), evaluate, and resume exactly."""
     from async_flowgrpo import checkpoint as checkpoint_io
 
-    common = ("model.lora_rank=0", "trainer.lr=1e-3", "eval.samples_per_prompt=1")
+    common = ("model.lora_rank=0", "algorithm.beta=0", "trainer.lr=1e-3", "eval.samples_per_prompt=1")
     layouts = {"replicated": ("trainer.num_workers=1",), "fsdp": ("trainer.num_workers=2", "trainer.fsdp=true")}
     weights, checkpoint = {}, None
     for name, extra in layouts.items():
