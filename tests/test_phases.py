@@ -178,6 +178,12 @@ def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path)
         assert prof["buckets_s"]["transformer forward"] > 0 and len(prof["top_tottime"]) == 3
     assert result["phases"]["train"]["profile"]["ours"]["buckets_s"]["backward"] > 0
     assert len(result["phases"]["rollout"]["cpu"]["ours"]["times_s"]) == 2
+    # the sequential step: each round's rollout + train step, as samples/s (no "plain": it has no whole step)
+    step = result["sequential_step"]
+    assert set(step) == {"ours"}
+    sums = [a + b for a, b in zip(result["phases"]["rollout"]["ours"]["times_s"], train["ours"]["times_s"])]
+    assert step["ours"]["wall"]["times_s"] == pytest.approx(sums)
+    assert step["ours"]["wall"]["samples_per_s"] == pytest.approx(4 / (sum(sums) / 2))  # median of two = mean
     pooled = phases.main(["--pool", str(out), str(out), "--out", str(tmp_path / "pooled.json")])
     assert len(pooled["phases"]["train"]["plain"]["times_s"]) == len(pooled["phases"]["train"]["cpu"]["ours"]["times_s"]) == 4
     assert pooled["phases"]["train"]["ratio_of_medians"] == pytest.approx(train["ratio_of_medians"])
