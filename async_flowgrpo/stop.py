@@ -61,8 +61,8 @@ class GracefulStop:
 
     def install(self) -> "GracefulStop":
         """Take over SIGTERM and SIGINT (main thread only; elsewhere, e.g. under a test runner's
-        worker thread, signals are left alone). Ray's ray.init() installs its own SIGTERM handler,
-        so call this after it."""
+        worker thread, signals are left alone). Install before Ray starts: `init_ray` keeps ray.init
+        from replacing these handlers."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
                 self._previous.setdefault(sig, signal.getsignal(sig))
