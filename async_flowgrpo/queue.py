@@ -264,7 +264,9 @@ class QueueActor:
         self.queue = ReplayQueue(capacity, max_staleness, drop_policy, self.controller)
         self.admission_wait_s = 0.0  # part of producer_wait_s spent in acquire_start
         self.next_ticket = 0  # see acquire_ticket
-        self.tickets_in_flight: dict[int, int] = {}  # worker id -> ticket it is generating
+        # worker id -> its tickets not yet delivered: the group it is generating, and the next one
+        # (a worker asks for its next admission while it generates, see RolloutWorker.run)
+        self.tickets_in_flight: dict[int, list[int]] = {}
         self.pending_tickets: deque[int] = deque()  # in flight when the run was checkpointed: handed out first
         self._closed = False
         self._cond: asyncio.Condition | None = None  # created on the actor's event loop
@@ -304,7 +306,7 @@ class QueueActor:
             self.queue.producer_wait_s += waited
             if ok:
                 self.queue.put(group)
-                self.tickets_in_flight.pop(group.worker_id, None)
+                self._forget_ticket(group.worker_id, group.prompt_index)
                 self.cond.notify_all()
             return ok
 
@@ -335,19 +337,30 @@ class QueueActor:
             ticket = self.pending_tickets.popleft()
         else:
             ticket, self.next_ticket = self.next_ticket, self.next_ticket + 1
-        self.tickets_in_flight[worker_id] = ticket
+        self.tickets_in_flight.setdefault(worker_id, []).append(ticket)
         return ticket
 
-    async def release_worker(self, worker_id: int, reissue: bool = False) -> int | None:
-        """The group a worker was generating will not be delivered (its reward failed, or the worker
-        died): give back its slot; returns its ticket (None if it held none). reissue: hand the
-        ticket out again before any new one (a worker died: its prompt is regenerated, not lost)."""
-        ticket = self.tickets_in_flight.pop(worker_id, None)
-        if ticket is not None:
-            if reissue:
-                self.pending_tickets.appendleft(ticket)
+    def _forget_ticket(self, worker_id: int, ticket: int) -> bool:
+        held = self.tickets_in_flight.get(worker_id, [])
+        if ticket not in held:
+            return False
+        held.remove(ticket)
+        return True
+
+    async def release_ticket(self, worker_id: int, ticket: int) -> None:
+        """A worker will not deliver this ticket's group (its reward failed, or the worker is
+        stopping before it started the group): the slot comes back, the ticket is not made again."""
+        if self._forget_ticket(worker_id, ticket):
             await self.release_start(1)
-        return ticket
+
+    async def release_worker(self, worker_id: int) -> list[int]:
+        """A worker died: its tickets are handed out again before any new one (their prompts are
+        regenerated, not lost) and their slots come back; returns them."""
+        tickets = self.tickets_in_flight.pop(worker_id, [])
+        self.pending_tickets.extendleft(reversed(tickets))
+        if tickets:
+            await self.release_start(len(tickets))
+        return tickets
 
     async def release_start(self, n: int = 1) -> None:
         """Give back n slots of started groups that will never be delivered."""
@@ -449,7 +462,7 @@ class QueueActor:
             "queue": self.queue.state_dict(),
             "admission_wait_s": self.admission_wait_s,
             "next_ticket": self.next_ticket,
-            "in_flight_tickets": sorted([*self.tickets_in_flight.values(), *self.pending_tickets]),
+            "in_flight_tickets": sorted([t for held in self.tickets_in_flight.values() for t in held] + [*self.pending_tickets]),
         }
 
     async def snapshot(self) -> tuple[dict[str, Any], list]:

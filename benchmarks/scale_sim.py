@@ -87,6 +87,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 RESULTS = os.path.join(REPO, "benchmarks", "results", "scale_sim")
 
+from async_flowgrpo.rollout.stream import stream_groups  # noqa: E402  (torch-free: the stand-ins use it)
+
 # Loaded as a module (the test), the stand-in classes must still travel by value: the actors'
 # processes cannot import this file.
 if __name__ != "__main__" and __name__ in sys.modules:
@@ -94,7 +96,7 @@ if __name__ != "__main__" and __name__ in sys.modules:
 
 
 # ------------------------------------------------------------------------------------------------
-# The stand-ins (these run in the actors: no torch, no async_flowgrpo imports)
+# The stand-ins (these run in the actors: no torch; of async_flowgrpo only the torch-free stream protocol)
 # ------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class SimCosts:
@@ -262,19 +264,13 @@ class SimRollout:
 
     def run(self, queue) -> dict:
         """fully_async: RolloutWorker.run's protocol with the queue actor."""
-        poll = self.costs.poll_s
-        while not self._stop.is_set():
-            ticket = ray.get(queue.acquire_ticket.remote(self.worker_id, poll))
-            if ticket is None:
-                continue
-            if ticket < 0:
-                break
+
+        def make_record(ticket: int):
             record, payload = self._make(ticket)
             record.ref = ray.put(payload)  # the group stays here; only the record goes to the queue
-            while not ray.get(queue.put.remote(record, poll)):
-                if self._stop.is_set():
-                    ray.get(queue.release_worker.remote(self.worker_id))
-                    return self.stats()
+            return record
+
+        stream_groups(queue, self.worker_id, make_record, self._stop, self.costs.poll_s)
         return self.stats()
 
     @ray.method(concurrency_group="control")

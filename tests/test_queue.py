@@ -445,21 +445,92 @@ def test_actor_state_dict_roundtrip(actor, restore_queued):
         assert [g.prompt_index for g in ray.get(q.get_batch.remote(1, timeout=5), timeout=T)] == [2]
 
 
-def test_a_dead_workers_ticket_is_reissued_first_and_a_failed_rewards_is_not():
-    """release_worker(reissue=True) (the driver, for a dead rollout actor) hands the same ticket out
-    again before new ones; a worker dropping its own group (reward failed) gives the slot back only."""
+def test_a_dead_workers_tickets_are_reissued_first_and_a_failed_rewards_is_not():
+    """release_worker (the driver, for a dead rollout actor) hands all its tickets out again, in
+    order, before new ones; a worker dropping its own group (reward failed) gives the slot back only."""
 
     async def scenario() -> list[int]:
         q = QueueActor(capacity=8, groups_per_step=2, max_staleness=1)
-        assert [await q.acquire_ticket(w, timeout=5) for w in range(3)] == [0, 1, 2]
-        assert await q.release_worker(0) == 0  # reward failed: ticket 0 is not made again
-        assert await q.release_worker(1, reissue=True) == 1  # worker 1 died: ticket 1 comes back
-        assert await q.release_worker(1, reissue=True) is None  # nothing more held
+        # worker 1 holds two tickets: the group it generates and its next admission
+        assert [await q.acquire_ticket(w, timeout=5) for w in (0, 1, 1)] == [0, 1, 2]
+        await q.release_ticket(0, 0)  # reward failed: ticket 0 is not made again
+        await q.release_ticket(0, 0)  # not held any more: no second slot back
+        assert await q.release_worker(1) == [1, 2]  # worker 1 died: both come back
+        assert await q.release_worker(1) == []  # nothing more held
         stats = await q.stats()
-        assert stats["admission/in_flight"] == 1  # only ticket 2's slot is still taken
-        return [await q.acquire_ticket(w, timeout=0.1) for w in range(4)]
+        assert stats["admission/in_flight"] == 0 and stats["admission/released"] == 3
+        return [await q.acquire_ticket(w, timeout=0.1) for w in range(5)]
 
-    assert asyncio.run(scenario()) == [1, 3, 4, None]  # then the admission limit (v + eta + 1) * 2 = 4
+    assert asyncio.run(scenario()) == [1, 2, 3, 4, None]  # then the admission limit (v + eta + 1) * 2 = 4
+
+
+class _Producer:
+    """`stream_groups` on a thread of the test process, making records of `make_group` (or None
+    for the tickets in `fail`), noting the queue's admission count as each group starts."""
+
+    def __init__(self, queue, fail=(), make_s: float = 0.0):
+        self.queue, self.fail, self.make_s = queue, set(fail), make_s
+        self.stop = threading.Event()
+        self.made: list[int] = []
+        self.started_at_make: list[int] = []
+
+    def make_record(self, ticket: int):
+        from async_flowgrpo.types import GroupRecord
+
+        time.sleep(self.make_s)  # the next admission is asked for meanwhile
+        self.started_at_make.append(ray.get(self.queue.stats.remote(), timeout=T)["admission/started"])
+        if ticket in self.fail:
+            return None
+        self.made.append(ticket)
+        group = make_group(ticket, 0, n=2)
+        return GroupRecord.of(group, ray.put(group))
+
+    def start(self) -> threading.Thread:
+        from async_flowgrpo.rollout.stream import stream_groups
+
+        thread = threading.Thread(target=stream_groups, args=(self.queue, 0, self.make_record, self.stop, 0.2), daemon=True)
+        thread.start()
+        return thread
+
+
+def test_a_producer_asks_for_its_next_admission_while_it_makes_a_group(actor):
+    """The queue round trips overlap generation: when group k is being made, ticket k + 1 is already
+    admitted; the admission limit still holds (gps 2, eta 1: 4 groups before version 1)."""
+    q = actor(capacity=8, groups_per_step=2, max_staleness=1)
+    producer = _Producer(q, make_s=0.1)
+    thread = producer.start()
+    deadline = time.monotonic() + T
+    while ray.get(q.stats.remote(), timeout=T)["queue/size"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # a fifth group would have been made by now if admission let it
+    assert producer.made == [0, 1, 2, 3]
+    assert producer.started_at_make[:3] == [2, 3, 4]  # ticket k + 1 admitted while k is made
+    producer.stop.set()
+    thread.join(timeout=T)
+    assert not thread.is_alive()
+    s = ray.get(q.stats.remote(), timeout=T)
+    assert (s["queue/size"], s["admission/in_flight"]) == (4, 0)
+
+
+def test_a_stopped_producer_gives_back_its_next_admission_and_a_failed_group_its_slot(actor):
+    """A failed group's slot comes back (its ticket is not made again); stopping gives back the
+    admission taken for the group after the last one; what was made is queued, nothing is lost."""
+    q = actor(capacity=8, groups_per_step=2, max_staleness=1)
+    producer = _Producer(q, fail={1})
+    thread = producer.start()
+    deadline = time.monotonic() + T
+    while ray.get(q.stats.remote(), timeout=T)["queue/size"] < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    producer.stop.set()
+    ray.get(q.set_version.remote(1), timeout=T)  # wakes the admission the producer waits on
+    thread.join(timeout=T)
+    assert not thread.is_alive()
+    s = ray.get(q.stats.remote(), timeout=T)
+    queued = [r.prompt_index for r in ray.get(q.get_batch.remote(s["queue/size"], 5), timeout=T)]
+    assert queued == producer.made and 1 not in queued and queued[:3] == [0, 2, 3]
+    assert s["admission/in_flight"] == 0
+    assert s["admission/started"] == len(queued) + s["admission/released"]
+    assert ray.get(q.state_dict.remote(), timeout=T)["in_flight_tickets"] == []
 
 
 def test_a_snapshot_fetches_the_queued_groups_and_leaves_the_queue_as_it_was(actor):

@@ -60,8 +60,8 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
                         ray.get(loop)
                         raise RunError(f"rollout actor {i} stopped generating")
                     except ray.exceptions.RayActorError as e:
-                        lost = ray.get(queue.release_worker.remote(i, True), timeout=wait)  # its ticket is regenerated
-                        run.lost_groups += lost is not None
+                        lost = ray.get(queue.release_worker.remote(i), timeout=wait)  # its tickets are regenerated
+                        run.lost_groups += bool(lost)  # at most one was being generated; the other was only admitted
                         run.recover_rollout(i, e)
                         loops[i] = run.rollouts[i].run.remote(queue)
 

@@ -15,7 +15,6 @@ import threading
 import time
 from typing import Any, Callable
 
-import ray
 import torch
 
 from async_flowgrpo.builders import build_engine
@@ -23,6 +22,7 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.prompts import PromptStream, load_prompts
 from async_flowgrpo.rewards import CombinedReward, RewardError
+from async_flowgrpo.rollout.stream import stream_groups
 from async_flowgrpo.sampling import rollout_sampling
 from async_flowgrpo.types import Group, GroupRecord
 
@@ -102,24 +102,14 @@ class RolloutWorker:
         return [self.generate_group(t) for t in tickets]
 
     def run(self, queue, store: Callable[[Group], GroupRecord], poll_s: float) -> dict:
-        """fully_async: take admission tickets from the queue actor and stream groups into it.
-        `store` puts a group where trainers can fetch it and returns its record: only the record
-        goes through the queue."""
-        while not self._stop.is_set():
-            ticket = ray.get(queue.acquire_ticket.remote(self.worker_id, poll_s))
-            if ticket is None:
-                continue  # no admission yet: re-check the stop flag
-            if ticket < 0:
-                break  # queue shut down
+        """fully_async: stream groups into the queue actor (`stream_groups`). `store` puts a group
+        where trainers can fetch it and returns its record: only the record goes through the queue."""
+
+        def make_record(ticket: int) -> GroupRecord | None:
             group = self.generate_group(ticket)
-            if group is None:
-                ray.get(queue.release_worker.remote(self.worker_id))
-                continue
-            record = store(group)
-            while not ray.get(queue.put.remote(record, poll_s)):
-                if self._stop.is_set():
-                    ray.get(queue.release_worker.remote(self.worker_id))
-                    return self.stats()
+            return None if group is None else store(group)
+
+        stream_groups(queue, self.worker_id, make_record, self._stop, poll_s)
         return self.stats()
 
     def stop(self) -> None:
@@ -134,3 +124,4 @@ class RolloutWorker:
             "rollout/version": self.engine.version,
             "perf/rollout_idle_frac": self.busy.idle_frac(),
         }
+
