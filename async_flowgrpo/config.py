@@ -84,6 +84,9 @@ class TrainerConfig:
     overwrite: bool = False  # a fresh run into a used output_dir deletes its old results (else: exit 2)
     max_nonfinite_steps: int = 5  # stop after this many consecutive steps whose every update was NaN/inf
     sample_every: int = 10  # steps between saved PNG grids of rollout samples
+    # > 0: evaluation and saved weights use an average of the trained weights (async_flowgrpo.ema;
+    # Flow-GRPO's train.ema); rollouts sample with the live ones. 0: off
+    ema_decay: float = 0.0
 
 
 @dataclass
@@ -316,6 +319,7 @@ def validate(c: Config) -> None:
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
     _require(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", "must be >= 1")
+    _require(0 <= t.ema_decay < 1, "trainer.ema_decay", "must be in [0, 1) (0 = no weight average)")
     existing = os.path.abspath(t.output_dir)  # the directory itself or the nearest ancestor that exists
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)

@@ -105,8 +105,10 @@ def main(argv: list[str]) -> None:
         except checkpoint.CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        policy.load_trainable_state(state["learner"]["trainable"])
-        print(f"weights: {path} (step {state['step']})")
+        learner = state["learner"]
+        average = "ema" in learner  # what the run evaluated and saved (trainer.ema_decay)
+        policy.load_trainable_state(learner["ema"]["average"] if average else learner["trainable"])
+        print(f"weights: {path} (step {state['step']}{', the weight average' if average else ''})")
     result = evaluate_policy(policy, cfg)
     for key, value in sorted(result["metrics"].items()):
         print(f"{key:24s} {value:.4f}")

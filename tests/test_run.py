@@ -277,6 +277,34 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
     pipe.load_lora_weights(os.path.join(resumed, "checkpoints", "step_000006", "weights"))
 
 
+def test_the_weight_average_is_saved_evaluated_and_resumed(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """trainer.ema_decay: the checkpoint keeps the live weights (to train on) and the average; the
+    saved weights are the average; a resumed run goes on averaging from the saved one."""
+    from safetensors.torch import load_file
+
+    from async_flowgrpo import checkpoint
+
+    out = str(tmp_path)
+    ema = ["trainer.ema_decay=0.5", "eval.at_start_and_end=true", "eval.num_steps=4", "eval.samples_per_prompt=1"]
+    run(small_config("sync", tiny_model_dir, prompt_file, out, *ema))
+    step3 = os.path.join(out, "checkpoints", "step_000003")
+    state = checkpoint.load(step3)["learner"]
+    live, average = state["trainable"], state["ema"]["average"]
+    assert state["ema"]["updates"] == 3 and live.keys() == average.keys()
+    assert any(not torch.equal(live[k], average[k]) for k in live)  # lr 1e-2: the two differ
+    saved = load_file(os.path.join(step3, "weights", "pytorch_lora_weights.safetensors"))
+    assert len(saved) == len(average)
+    for name, value in average.items():  # peft's names: "transformer." + name without the adapter
+        torch.testing.assert_close(saved["transformer." + name.replace(".default", "")], value, rtol=0, atol=0)
+    rows = read_metrics(out)
+    assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]  # evaluated (on the average) at both ends
+
+    run(small_config("sync", tiny_model_dir, prompt_file, out, *ema, "trainer.total_steps=4", "trainer.resume=latest"))
+    resumed = checkpoint.load(os.path.join(out, "checkpoints", "step_000004"))["learner"]["ema"]
+    assert resumed["updates"] == 4
+    assert any(not torch.equal(resumed["average"][k], average[k]) for k in average)
+
+
 def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """The checkpoint holds the groups queued (and the tickets in flight) at the last step; the
     resumed run puts them back in the queue instead of dropping them, and its counters balance."""

@@ -16,6 +16,7 @@ store itself, so latents never pass through the driver.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from async_flowgrpo.actors import quiet_actor_output
 from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
+from async_flowgrpo.ema import WeightAverage
 from async_flowgrpo.gpu_monitor import GpuMonitor
 from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.sync import rendezvous_store
@@ -65,6 +67,7 @@ class TrainerActor:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
         self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
+        self.ema = self._new_average()
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
         self.busy = BusyTracker()  # perf/trainer_idle_frac
@@ -82,6 +85,8 @@ class TrainerActor:
             groups, lost = self._fetch(shard)
             fetch_s = time.perf_counter() - start
             metrics = self.learner.train_step(groups, version) if groups else {}
+            if self.ema is not None and metrics.get("samples/trained", 0) > 0:  # not after a skipped (NaN) update
+                self.ema.update()
         if self.rank == 0 and groups:
             self.samples = (torch.cat([g.images for g in groups])[:32], [g.prompt for g in groups for _ in range(g.size)][:32])
         return {**metrics, "perf/trainer_fetch_s": fetch_s, "samples/lost": lost, **self.gpu.read()}
@@ -149,28 +154,42 @@ class TrainerActor:
         return None if self.sharded and self.rank != 0 else digest(state)
 
     # -- evaluation and checkpoints ------------------------------------------------------------
+    def _new_average(self) -> WeightAverage | None:
+        decay = self.cfg.trainer.ema_decay
+        return WeightAverage(self.learner.policy.trainable_state(), decay) if decay > 0 else None
+
+    def _evaluated_weights(self):
+        """What evaluation and saved weights use: the weight average when on, else the live weights."""
+        return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
+
     def evaluate(self, step: int) -> dict | None:
         """Sharded, the ranks split the prompts (collective); rank 0 returns the result."""
         from async_flowgrpo.evaluation import evaluate_policy
 
-        if not self.sharded:
-            return evaluate_policy(self.learner.policy, self.cfg)
-        from async_flowgrpo import fsdp
+        with self._evaluated_weights():
+            if not self.sharded:
+                return evaluate_policy(self.learner.policy, self.cfg)
+            from async_flowgrpo import fsdp
 
-        result = evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size)
-        for transformer in self.learner.policy.transformers():
-            fsdp.reshard(transformer)
-        return result
+            result = evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size)
+            for transformer in self.learner.policy.transformers():
+                fsdp.reshard(transformer)
+            return result
 
     def state_dict(self) -> dict | None:
+        ema = {}
         if not self.sharded:
-            return {**self.learner.state_dict(), "rng": torch.get_rng_state()}
+            if self.ema is not None:
+                ema = {"ema": self.ema.state_dict()}
+            return {**self.learner.state_dict(), "rng": torch.get_rng_state(), **ema}
         from async_flowgrpo import fsdp
 
         transformer = self.learner.policy.adapter.transformer
         trainable = self._trainable_state()
         optimizer = fsdp.optimizer_state(transformer, self.learner.optimizer)  # keyed by name, any world size
-        return {"trainable": trainable, "optimizer": optimizer, "rng": torch.get_rng_state()} if self.rank == 0 else None
+        if self.ema is not None:
+            ema = {"ema": {"average": fsdp.gather(self.ema.average.items(), keep=self.rank == 0), "updates": self.ema.updates}}
+        return {"trainable": trainable, "optimizer": optimizer, "rng": torch.get_rng_state(), **ema} if self.rank == 0 else None
 
     def load_state_dict(self, state: dict) -> None:
         """Every rank gets the same whole state (sharded: each keeps its shards)."""
@@ -182,10 +201,17 @@ class TrainerActor:
             self.learner.load_state_dict(state)
         if "rng" in state:
             torch.set_rng_state(state["rng"])
+        self.ema = self._new_average()  # without a saved one (a run that turned it on): from the loaded weights
+        if self.ema is not None and "ema" in state:
+            self.ema.load_state_dict(state["ema"])
 
     def save_weights(self, path: str) -> None:
         """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer
-        directory (config + safetensors), loadable by `from_pretrained`."""
+        directory (config + safetensors), loadable by `from_pretrained`. The weight average when on."""
+        with self._evaluated_weights():
+            self._save_weights(path)
+
+    def _save_weights(self, path: str) -> None:
         policy = self.learner.policy
         transformer = policy.adapter.transformer
         state = self._trainable_state()
