@@ -55,6 +55,23 @@ def load_mode_config(mode: str, overrides: list[str]):
         raise SystemExit(f"config error ({mode}): {e}") from None
 
 
+def run_or_exit(cfg):
+    """`modes.run(cfg)` with a signal or a failed run as one line and its exit code, not a
+    traceback. A benchmark does not resume: what finished before is in the work dir (--workdir)."""
+    from async_flowgrpo.driver.cluster import RunError
+    from async_flowgrpo.modes import run
+    from async_flowgrpo.stop import Stopped
+
+    try:
+        return run(cfg)
+    except Stopped as e:
+        log(f"stopped by a signal at step {e.step} of {cfg.trainer.output_dir}; no results written")
+        raise SystemExit(e.exit_code) from None
+    except RunError as e:
+        log(f"error in {cfg.trainer.output_dir}: {e}")
+        raise SystemExit(1) from None
+
+
 @contextlib.contextmanager
 def session(args, prefix: str):
     """What every benchmark run shares: a work dir (a temp one unless --workdir, removed after),

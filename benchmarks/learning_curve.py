@@ -80,12 +80,10 @@ def parse_args(argv):
 
 
 def run_one(mode: str, seed: int, overrides: list[str], output_dir: str) -> dict:
-    from async_flowgrpo.modes import run
-
     shutil.rmtree(output_dir, ignore_errors=True)
     cfg = common.load_mode_config(mode, overrides + [f"trainer.seed={seed}", f"rollout.seed={seed}", f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
-    run(cfg)
+    common.run_or_exit(cfg)
     wall = time.perf_counter() - t0
     rows = common.read_metrics(output_dir)
     evals = [

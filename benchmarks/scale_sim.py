@@ -804,8 +804,9 @@ def main(argv=None) -> int:
                     try:
                         p = simulate(mode, n, m, costs, steps=args.steps, warmup=args.warmup, groups_per_actor=args.groups_per_actor,
                                      max_staleness=args.max_staleness, workdir=workdir)
-                    except Stopped:
-                        raise
+                    except Stopped as e:
+                        log(f"stopped by a signal; the {len(points)} points measured before are in {out}")
+                        return e.exit_code
                     except Exception as e:  # one point failing should not lose the others
                         log(f"  failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
                         p = {"mode": mode, "rollouts": n, "trainers": m, "error": f"{type(e).__name__}: {e}"}

@@ -225,13 +225,11 @@ def combine(caps: list[dict]) -> dict:
 
 # -- phase 2: the modes --------------------------------------------------------------------------
 def run_mode(mode: str, overrides: list[str], output_dir: str, warmup: int) -> dict:
-    from async_flowgrpo.modes import run
-
     shutil.rmtree(output_dir, ignore_errors=True)  # metrics.jsonl appends
     cfg = common.load_mode_config(mode, overrides + [f"trainer.output_dir={output_dir}"])
     t0 = time.perf_counter()
     with common.RunCpuSampler(os.path.join(output_dir, "metrics.jsonl")) as sampler:
-        run(cfg)
+        common.run_or_exit(cfg)
     wall = time.perf_counter() - t0
     rows = common.read_metrics(output_dir)
     out = common.steady_state(rows, warmup)

@@ -1,0 +1,39 @@
+"""benchmarks/common.py: what every benchmark script shares."""
+
+import importlib.util
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from async_flowgrpo.driver.cluster import RunError
+from async_flowgrpo.stop import Stopped
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def common():
+    spec = importlib.util.spec_from_file_location("common", os.path.join(REPO, "benchmarks", "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("error, code, says", [
+    (Stopped(signal.SIGTERM, 7, saved=True, resumable=True), 143, "stopped by a signal at step 7 of /runs/a"),
+    (RunError("the rollout actor died"), 1, "error in /runs/a: the rollout actor died"),
+])
+def test_a_benchmark_run_that_stops_or_fails_ends_with_one_line_and_its_exit_code(common, monkeypatch, capsys, error, code, says):
+    import async_flowgrpo.modes as modes
+
+    def run(cfg):
+        raise error
+
+    monkeypatch.setattr(modes, "run", run)
+    with pytest.raises(SystemExit) as exited:
+        common.run_or_exit(SimpleNamespace(trainer=SimpleNamespace(output_dir="/runs/a")))
+    assert exited.value.code == code
+    printed = capsys.readouterr()
+    assert printed.out.count("\n") == 1 and says in printed.out and "Traceback" not in printed.err
