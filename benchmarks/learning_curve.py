@@ -19,6 +19,7 @@ Writes ``benchmarks/results/learning_curve.json`` and ``benchmarks/results/learn
 
     python benchmarks/learning_curve.py                      # 2 seeds x 2 modes x 40 steps: ~15 min on 2 cores
     python benchmarks/learning_curve.py --seeds 3 --steps 60 --eval-every 10 rollout.sde_window_size=3
+    python benchmarks/learning_curve.py --merge a/learning_curve.json b/learning_curve.json  # seeds run in parallel
 
 Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only).
 """
@@ -26,6 +27,7 @@ Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only)
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -63,6 +65,8 @@ def parse_args(argv):
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--workdir", default=None, help="keep the run outputs here (default: a temp dir, removed)")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no runs: combine these invocations' learning_curve.json "
+                    "files (other seeds, same settings) into one result in --out")
     ap.add_argument("overrides", nargs="*", help="key=value (every run) or mode:key=value (one mode)")
     args = ap.parse_args(argv)
     try:
@@ -278,6 +282,8 @@ def plot(result: dict, path: str, smooth_k: int) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.merge:
+        return merge(args.merge, args)
     t_start = time.perf_counter()
     with common.session(args, "afg_learning_curve_") as (workdir, model, model_desc, res_overrides, machine):
         if "random" in model_desc:
@@ -297,43 +303,69 @@ def main(argv=None) -> dict:
                     f"{r['time_s'][-1]:.0f} s, {r['samples_per_s']:.2f} samples/s")
                 runs[mode].append(r)
 
-        agg = {m: aggregate(rs, args.smooth) for m, rs in runs.items()}
-        comparison, lines = compare(agg) if {"sync", "fully_async"} <= set(agg) else ({}, [])
-        result = {
+        return report({
             "model": model_desc,
             "machine": machine,
             "settings": [s for s in base if not s.startswith("model.path=")],
             "seeds": args.seeds,
             "steps": args.steps,
             "runs": runs,
-            "aggregate": agg,
-            "comparison": comparison,
-            "verdicts": lines,
-            "total_wall_s": time.perf_counter() - t_start,
-        }
-        os.makedirs(args.out, exist_ok=True)
-        json_path = os.path.join(args.out, "learning_curve.json")
-        png_path = os.path.join(args.out, "learning_curve.png")
-        common.write_json(json_path, result)
-        plot(result, png_path, args.smooth)
+        }, args, time.perf_counter() - t_start)
 
-        print()
-        head = f"{'mode':<13}{'final reward':>18}{'first eval acc':>18}{'last eval acc':>18}{'wall s':>10}{'samples/s':>11}{'stale':>7}"
-        print(head)
-        print("-" * len(head))
-        for m, a in agg.items():
-            def pm(ms):
-                return "n/a" if ms[0] is None else f"{ms[0]:.3f} ± {ms[1] or 0:.3f}"
-            print(f"{m:<13}{pm(a['final_reward']):>18}{pm(a['first_eval_accuracy']):>18}{pm(a['final_eval_accuracy']):>18}"
-                  f"{a['wall_s'][0]:>10.0f}{a['samples_per_s'][0]:>11.2f}{a['staleness_mean'][0]:>7.2f}")
-        first = {m: a["first_eval_step"] for m, a in agg.items()}
-        if all(v for v in first.values()):
-            print(f"(first logged evaluation at step {first}: the run-start evaluation did not reach metrics.jsonl)")
-        print()
-        for line in lines:
-            print(line)
-        print(f"\nwrote {json_path} and {png_path} ({result['total_wall_s']:.0f} s in all)")
-        return result
+
+def merge(paths: list[str], args) -> dict:
+    """Several invocations' JSONs (seeds run in parallel, or on several machines) as one result:
+    the same model, settings and steps; the seeds must differ."""
+    docs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--merge: cannot read {path}: {e}") from None
+    first = docs[0]
+    for path, doc in zip(paths[1:], docs[1:]):
+        for key in ("model", "settings", "steps"):
+            if doc.get(key) != first.get(key):
+                raise SystemExit(f"--merge: {path} has another {key} than {paths[0]}")
+    seeds = [s for d in docs for s in d["seeds"]]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: a seed appears twice ({seeds})")
+    modes = list(dict.fromkeys(m for d in docs for m in d["runs"]))
+    runs = {m: [r for d in docs for r in d["runs"].get(m, [])] for m in modes}
+    return report({**{k: first[k] for k in ("model", "machine", "settings", "steps")}, "seeds": seeds, "runs": runs,
+                   "merged_from": paths}, args, sum(d.get("total_wall_s", 0.0) for d in docs))
+
+
+def report(result: dict, args, wall_s: float) -> dict:
+    """Aggregate the runs over seeds, compare the modes, write the JSON and the plot, print the table."""
+    runs = result["runs"]
+    agg = {m: aggregate(rs, args.smooth) for m, rs in runs.items()}
+    comparison, lines = compare(agg) if {"sync", "fully_async"} <= set(agg) else ({}, [])
+    result = {**result, "aggregate": agg, "comparison": comparison, "verdicts": lines, "total_wall_s": wall_s}
+    os.makedirs(args.out, exist_ok=True)
+    json_path = os.path.join(args.out, "learning_curve.json")
+    png_path = os.path.join(args.out, "learning_curve.png")
+    common.write_json(json_path, result)
+    plot(result, png_path, args.smooth)
+
+    print()
+    head = f"{'mode':<13}{'final reward':>18}{'first eval acc':>18}{'last eval acc':>18}{'wall s':>10}{'samples/s':>11}{'stale':>7}"
+    print(head)
+    print("-" * len(head))
+    for m, a in agg.items():
+        def pm(ms):
+            return "n/a" if ms[0] is None else f"{ms[0]:.3f} ± {ms[1] or 0:.3f}"
+        print(f"{m:<13}{pm(a['final_reward']):>18}{pm(a['first_eval_accuracy']):>18}{pm(a['final_eval_accuracy']):>18}"
+              f"{a['wall_s'][0]:>10.0f}{a['samples_per_s'][0]:>11.2f}{a['staleness_mean'][0]:>7.2f}")
+    first = {m: a["first_eval_step"] for m, a in agg.items()}
+    if all(v for v in first.values()):
+        print(f"(first logged evaluation at step {first}: the run-start evaluation did not reach metrics.jsonl)")
+    print()
+    for line in lines:
+        print(line)
+    print(f"\nwrote {json_path} and {png_path} ({wall_s:.0f} s in all)")
+    return result
 
 
 if __name__ == "__main__":
