@@ -19,7 +19,7 @@ Writes ``benchmarks/results/learning_curve.json`` and ``benchmarks/results/learn
 
     python benchmarks/learning_curve.py                      # 2 seeds x 2 modes x 40 steps: ~15 min on 2 cores
     python benchmarks/learning_curve.py --seeds 3 --steps 60 --eval-every 10 rollout.sde_window_size=3
-    python benchmarks/learning_curve.py --merge a/learning_curve.json b/learning_curve.json  # seeds run in parallel
+    python benchmarks/learning_curve.py --merge a/learning_curve.json b/learning_curve.json  # a: --seeds 0, b: --seeds 1,
 
 Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only).
 """
@@ -56,7 +56,7 @@ DEFAULTS = [
 def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="embedded", help="embedded (default) | tiny (random: reward stays flat) | auto | a dir")
-    ap.add_argument("--seeds", default="2", help="number of seeds (0..n-1) or a comma list, e.g. 0,3,7 (default 2)")
+    ap.add_argument("--seeds", default="2", help="number of seeds (0..n-1) or a comma list, e.g. 0,3,7 or 1, for seed 1 alone (default 2)")
     ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (default 40)")
     ap.add_argument("--eval-every", type=int, default=10, help="steps between evaluations (default 10; 0 = start and end only)")
     ap.add_argument("--modes", default=",".join(MODES), help="comma list (default sync,fully_async)")
@@ -72,9 +72,9 @@ def parse_args(argv):
     try:
         args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()] if "," in args.seeds else list(range(int(args.seeds)))
     except ValueError:
-        ap.error("--seeds: a count (2) or a comma list (0,3,7)")
+        ap.error("--seeds: a count (2) or a comma list (0,3,7; one seed: 1,)")
     if not args.seeds:
-        ap.error("--seeds: at least one seed")
+        ap.error("--seeds: at least one seed (seed 0 alone: --seeds 0,)")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in args.modes:
         if m not in ALL_MODES:
