@@ -32,17 +32,13 @@ def test_a_stand_in_record_arrives_as_a_group_record_with_reward_tensors(scale_s
 
 
 @pytest.mark.timeout(150)
-def test_the_fully_async_loop_runs_on_stand_ins_and_the_groups_bypass_the_driver(scale_sim, tmp_path):
+def test_the_fully_async_loop_runs_on_stand_ins_and_the_groups_bypass_the_driver(ray_cluster, scale_sim, tmp_path):
     """2 rollout stand-ins, 1 trainer, 4 steps. The trainer is the bound (0.5 s per step against
     0.1 s per group), so the window's samples/s cannot exceed it by more than timing noise."""
     costs = scale_sim.SimCosts(gen_s=0.1, group_size=8, train_s=0.5 / 16, payload_kb=128, poll_s=0.5)
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    try:
-        result = scale_sim.simulate("fully_async", 2, 1, costs, steps=4, warmup=1, workdir=str(tmp_path),
-                                    overrides=("ray.call_timeout_s=60", "ray.start_timeout_s=120", "ray.work_timeout_s=120",
-                                               "sync.timeout_s=60", "ray.batch_wait_s=2"))
-    finally:
-        ray.shutdown()
+    result = scale_sim.simulate("fully_async", 2, 1, costs, steps=4, warmup=1, workdir=str(tmp_path),
+                                overrides=("ray.call_timeout_s=60", "ray.start_timeout_s=120", "ray.work_timeout_s=120",
+                                           "sync.timeout_s=60", "ray.batch_wait_s=2"))
     assert result["steps_logged"] == 4
     assert result["groups_per_step"] == 2 and result["batch"] == 16
     assert result["limited_by"] == "trainer" and result["bound"] == pytest.approx(32.0)
