@@ -75,7 +75,7 @@ def stop_line(stopped: Stopped, argv: list[str]) -> str:
 
 
 def main(mode: str, argv: list[str]) -> None:
-    """Entry point of launch/<mode>.py: load the config, run the mode's driver, print a summary."""
+    """Entry point of launch/<mode>.py: load the config, run the mode's driver (which prints its summary line)."""
     import logging
     import os
 
@@ -100,11 +100,10 @@ def main(mode: str, argv: list[str]) -> None:
 
             print(f"async_flowgrpo {mode}: model={cfg.model.path} output_dir={cfg.trainer.output_dir}", file=sys.stderr)
             try:
-                summary = run(cfg)
+                run(cfg)  # its logger prints the summary line
             except RunError as e:
                 print(f"error: {e}", file=sys.stderr)
                 raise SystemExit(1) from None
-        print(summary)
     except Stopped as e:
         print(stop_line(e, argv), file=sys.stderr)
         raise SystemExit(e.exit_code) from None

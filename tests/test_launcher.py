@@ -160,6 +160,7 @@ def test_sigterm_stops_with_a_consistent_checkpoint_and_the_printed_command_resu
         resume_args = [a for a in args if not a.startswith(("trainer.total_steps", "trainer.lr"))]
         resumed = launch([*resume_args, f"trainer.total_steps={step + 1}", "trainer.lr=5e-3", "trainer.resume=latest"], timeout=400)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert resumed.stdout.count("summary: ") == 1, resumed.stdout  # printed once, not by the logger and the cli
         assert "resume: applying changed settings: trainer.lr 0.01 -> 0.005, trainer.total_steps 50 -> " in resumed.stderr
         rows = [json.loads(line) for line in open(metrics)]
         assert [r["step"] for r in rows] == list(range(1, step + 2))
