@@ -292,3 +292,27 @@ def nft_old_decay(update: int, *, start: int, rate: float, max_decay: float) -> 
     steps: 0 (old = theta) before `start`, then rising by `rate` per step up to `max_decay`, the
     public code's schedule (its defaults: start 0, rate 0.001, max 0.5)."""
     return 0.0 if update < start else min((update - start) * rate, max_decay)
+
+
+# ------------------------------------------------------------------ learning-rate schedule
+
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, warmup_steps: int = 0,
+              min_ratio: float = 0.0) -> float:
+    """The multiplier of the base lr at trainer step `step` (0-based): a linear warm-up over the first
+    `warmup_steps`, then constant, or a cosine or linear decay that reaches `min_ratio` at `total_steps`.
+
+    Why a decay: with a few prompts per step the gradient is mostly noise, and at a constant lr Adam's
+    noise-driven steps keep moving the adapter long after the signal is used (README, "Learning").
+    """
+    if schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * decay

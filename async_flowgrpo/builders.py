@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from async_flowgrpo.config import Config, resolve_model_path
 
 if TYPE_CHECKING:
+    from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
     from async_flowgrpo.nft_learner import NFTLearner
 
@@ -59,6 +61,7 @@ def build_engine(cfg: Config, update_point: str):
 def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
     """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
     from async_flowgrpo import fsdp
+    from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
     from async_flowgrpo.nft_learner import NFTLearner
     from async_flowgrpo.policy import default_dtype
@@ -72,9 +75,11 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
     # what both learners take: the optimizer, batching and the data-parallel reduce
+    schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
+                                 warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio)
     shared = dict(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, adv_clip=a.adv_clip,
                   beta=a.beta, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
-                  grad_all_reduce=grad_all_reduce)
+                  grad_all_reduce=grad_all_reduce, lr_schedule=schedule)
     if a.name == "diffusion_nft":
         return NFTLearner(
             policy,

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_flowgrpo.algo import LR_SCHEDULES
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import available_rewards
 
@@ -74,6 +75,11 @@ class TrainerConfig:
     resume: Optional[str] = None  # a checkpoint dir or "latest"
     seed: int = 42
     lr: float = 3e-4
+    # the lr over the run: constant | cosine | linear decay from lr to lr * lr_min_ratio at total_steps,
+    # after a linear warm-up over warmup_steps (torchtune's cosine-with-warm-up)
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_min_ratio: float = 0.0
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     micro_batch_size: int = 8
@@ -312,6 +318,9 @@ def validate(c: Config) -> None:
     _require(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", "must not be empty")
     _require(t.lr > 0, "trainer.lr", "must be > 0")
+    _require(t.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
+    _require(0 <= t.warmup_steps < t.total_steps, "trainer.warmup_steps", "must be >= 0 and < trainer.total_steps")
+    _require(0 <= t.lr_min_ratio <= 1, "trainer.lr_min_ratio", "must be in [0, 1]")
     _require(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
     _require(t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
     _require(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")

@@ -32,6 +32,19 @@ from async_flowgrpo.types import Group
 PROX_MODES = ("recompute", "bypass")
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def grad_cosine(a: list[Tensor], b: list[Tensor]) -> float:
+    """Cosine between two gradients given as lists of tensors (NaN when either is zero)."""
+    dot = sum(float((x * y).sum()) for x, y in zip(a, b))
+    na = math.sqrt(sum(float((x * x).sum()) for x in a))
+    nb = math.sqrt(sum(float((y * y).sum()) for y in b))
+    return dot / (na * nb) if na > 0 and nb > 0 else math.nan
+
+
 @dataclass
 class _Sample:
     latents: Tensor  # [W + 1, C, H, W]
@@ -78,6 +91,7 @@ class Learner:
         mini_batches: int = 1,
         uncond_grad: bool = True,
         grad_all_reduce: Callable[[list[nn.Parameter]], None] | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
     ):
         if prox_mode not in PROX_MODES:
             raise ValueError(f"prox_mode must be one of {PROX_MODES}, got {prox_mode!r}")
@@ -101,6 +115,9 @@ class Learner:
         self.mini_batches = mini_batches
         self.uncond_grad = uncond_grad
         self.grad_all_reduce = grad_all_reduce
+        self.base_lr = lr
+        self.lr_schedule = lr_schedule or (lambda step: 1.0)
+        self.steps = 0  # train_step calls: the lr schedule's clock
         self._cond_cache: tuple[tuple[int, ...], list[Tensor | None]] | None = None
 
     def sampling_state(self) -> dict[str, Tensor]:
@@ -171,10 +188,15 @@ class Learner:
     # ------------------------------------------------------------------ update
 
     def train_step(self, groups: list[Group], version: int) -> dict[str, float]:
+        lr = self.base_lr * self.lr_schedule(self.steps)
+        set_lr(self.optimizer, lr)
         try:
-            return self._train_step(groups, version)
+            metrics = self._train_step(groups, version)
         finally:
             self._cond_cache = None  # do not keep a batch's embeddings alive between updates
+        self.steps += 1
+        metrics["train/lr"] = lr
+        return metrics
 
     def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -198,13 +220,18 @@ class Learner:
         ratios, weights, fresh_diffs = [], [], []
         pg_sum = kl_sum = torch.zeros((), device=dev)
         grad_norms, pairs_trained, samples_trained, skipped = [], 0, 0, 0
+        half_cos = []
         for mi, mini in enumerate(minis):
             n_pairs = sum(samples[i].num_steps for i in mini)
             if n_pairs == 0:
                 raise ValueError("no recorded steps to train on (window_size 0 groups are for evaluation)")
             mb_pg = mb_kl = torch.zeros((), device=dev)
             mb_ratios, mb_weights = [], []
+            first_half, seen = None, set()
             for sel, j in self._micro_steps(samples, mini):
+                if first_half is None and j == 0 and 2 * len(seen) >= len(mini):
+                    first_half = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
+                seen.update(sel)
                 log_prob, kl = self._forward(samples, sel, j, sampling, with_ref=self.beta > 0)
                 behav = torch.stack([samples[i].behav[j] for i in sel]).to(dev)
                 adv = torch.stack([samples[i].advantage for i in sel]).to(dev)
@@ -233,6 +260,8 @@ class Learner:
             for p in self.params:
                 if p.grad is None:  # unused this mini-batch (or the first backward left none)
                     p.grad = torch.zeros_like(p)
+            if first_half is not None:  # this rank's two halves: different prompts, same weights
+                half_cos.append(grad_cosine(first_half, [p.grad - g for p, g in zip(self.params, first_half)]))
             if self.grad_all_reduce is not None:
                 self.grad_all_reduce(self.params)
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
@@ -256,7 +285,10 @@ class Learner:
         metrics["train/skipped_nonfinite"] = float(skipped)
         metrics["samples/trained"] = float(samples_trained)
         metrics["train/time_s"] = time.perf_counter() - t0
-        metrics["logp/max_abs_diff"] = float(torch.stack(fresh_diffs).max()) if fresh_diffs else 0.0
+        if fresh_diffs:  # omitted without fresh samples: 0.0 would read as a perfect match
+            metrics["logp/max_abs_diff"] = float(torch.stack(fresh_diffs).max())
+        if half_cos:
+            metrics["grad/half_cos"] = sum(half_cos) / len(half_cos)
         if pairs_trained:
             ratio, w = torch.cat(ratios), torch.cat(weights)
             metrics.update(
@@ -287,8 +319,10 @@ class Learner:
 
     def state_dict(self) -> dict:
         """A CPU snapshot (optimizer.state_dict() alone would alias the live, mutating moments)."""
-        return _cpu_copy({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict()})
+        return _cpu_copy({"trainable": self.policy.trainable_state(), "optimizer": self.optimizer.state_dict(),
+                          "steps": self.steps})
 
     def load_state_dict(self, state: dict) -> None:
         self.policy.load_trainable_state(state["trainable"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state.get("steps", 0)  # checkpoints from before the lr schedule: its start

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from async_flowgrpo import algo
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.learner import Learner, _cpu_copy
+from async_flowgrpo.learner import Learner, _cpu_copy, set_lr
 from async_flowgrpo.types import Group
 
 
@@ -77,6 +77,7 @@ class NFTLearner:
         micro_batch_size: int = 8,
         mini_batches: int = 1,
         grad_all_reduce: Callable[[list[nn.Parameter]], None] | None = None,
+        lr_schedule: Callable[[int], float] | None = None,
     ):
         if micro_batch_size < 1 or mini_batches < 1 or keep_versions < 1:
             raise ValueError("micro_batch_size, mini_batches and keep_versions must be >= 1")
@@ -98,6 +99,9 @@ class NFTLearner:
         self.old = {n: p.clone() for n, p in policy.trainable_state().items()}
         self.snapshots: dict[int, dict[str, Tensor]] = {}
         self.updates = 0  # optimizer steps taken: the decay schedule's clock
+        self.base_lr = lr
+        self.lr_schedule = lr_schedule or (lambda step: 1.0)
+        self.steps = 0  # train_step calls: the lr schedule's clock
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: the old copy (replaced, never written in place)."""
@@ -178,6 +182,9 @@ class NFTLearner:
         """One DiffusionNFT update on `groups`; `version` is the published version (the weights
         held now), whose old copy the rollouts got if this is the first call."""
         t0 = time.perf_counter()
+        lr = self.base_lr * self.lr_schedule(self.steps)
+        set_lr(self.optimizer, lr)
+        self.steps += 1
         self.snapshots.setdefault(version, self.old)
         points, n_samples = self._points(groups)
         if n_samples < self.mini_batches:
@@ -244,6 +251,7 @@ class NFTLearner:
         r = torch.stack([p.r for p in points])
         metrics.update({
             "train/skipped_nonfinite": float(skipped),
+            "train/lr": lr,
             "samples/trained": float(samples_trained),
             "train/time_s": time.perf_counter() - t0,
             "nft/r_mean": float(r.mean()),
@@ -269,6 +277,7 @@ class NFTLearner:
             "optimizer": self.optimizer.state_dict(),
             "old": self.old,
             "updates": self.updates,
+            "steps": self.steps,
         })
 
     def load_state_dict(self, state: dict) -> None:
@@ -277,4 +286,5 @@ class NFTLearner:
         device = self.policy.device
         self.old = {n: t.to(device) for n, t in state["old"].items()}
         self.updates = state["updates"]
+        self.steps = state.get("steps", 0)  # checkpoints from before the lr schedule: its start
         self.snapshots = {}

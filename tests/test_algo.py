@@ -480,3 +480,17 @@ def test_nft_optimality_and_old_decay():
     decay = dict(start=75, rate=0.0075, max_decay=0.999)  # the public code's decay_type 2
     assert algo.nft_old_decay(0, **decay) == 0.0 and algo.nft_old_decay(74, **decay) == 0.0
     assert algo.nft_old_decay(175, **decay) == pytest.approx(0.75) and algo.nft_old_decay(10_000, **decay) == 0.999
+
+
+def test_lr_factor_warmup_then_decay():
+    cos = dict(schedule="cosine", total_steps=110, warmup_steps=10, min_ratio=0.1)
+    assert [algo.lr_factor(s, **cos) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]  # linear warm-up, full at its end
+    assert algo.lr_factor(10, **cos) == 1.0  # the decay starts from the peak
+    assert algo.lr_factor(60, **cos) == pytest.approx(0.55)  # half-way: (1 + 0.1) / 2
+    assert algo.lr_factor(110, **cos) == pytest.approx(0.1) and algo.lr_factor(500, **cos) == pytest.approx(0.1)
+    values = [algo.lr_factor(s, **cos) for s in range(10, 111)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # monotone after the warm-up
+    assert algo.lr_factor(55, schedule="linear", total_steps=100) == pytest.approx(0.45)
+    assert {algo.lr_factor(s, schedule="constant", total_steps=100) for s in range(100)} == {1.0}
+    with pytest.raises(ValueError, match="lr schedule"):
+        algo.lr_factor(0, schedule="step")

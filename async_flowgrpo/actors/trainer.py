@@ -189,7 +189,8 @@ class TrainerActor:
         optimizer = fsdp.optimizer_state(transformer, self.learner.optimizer)  # keyed by name, any world size
         if self.ema is not None:
             ema = {"ema": {"average": fsdp.gather(self.ema.average.items(), keep=self.rank == 0), "updates": self.ema.updates}}
-        return {"trainable": trainable, "optimizer": optimizer, "rng": torch.get_rng_state(), **ema} if self.rank == 0 else None
+        state = {"trainable": trainable, "optimizer": optimizer, "steps": self.learner.steps, "rng": torch.get_rng_state()}
+        return {**state, **ema} if self.rank == 0 else None
 
     def load_state_dict(self, state: dict) -> None:
         """Every rank gets the same whole state (sharded: each keeps its shards)."""
@@ -197,6 +198,7 @@ class TrainerActor:
             from async_flowgrpo import fsdp
 
             fsdp.load_state(self.learner.policy.adapter.transformer, self.learner.optimizer, state["trainable"], state["optimizer"])
+            self.learner.steps = state.get("steps", 0)
         else:
             self.learner.load_state_dict(state)
         if "rng" in state:
