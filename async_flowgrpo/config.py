@@ -425,8 +425,21 @@ def validate(c: Config) -> None:
                  "rollout.prompt_mix=null samples it uniformly")
 
 
-def config_or_exit(mode: str, argv: list[str]) -> Config:
-    """load_config for an entry point: a mistake is one line on stderr and exit 2."""
+def usage(mode: str, command: str | None = None) -> str:
+    """What an entry point prints for -h/--help."""
+    command = command or f"python launch/{mode}.py"
+    return (f"usage: {command} [extra.yaml ...] [key=value ...]\n\n"
+            f"Merges config/base.yaml, config/{mode}.yaml, the YAML files given, then the key=value overrides\n"
+            "(OmegaConf dot-list, e.g. trainer.total_steps=20 rollout.num_workers=2). Every key, its default\n"
+            "and what it does: docs/config.md. A bad key or value exits 2 with one line naming it.")
+
+
+def config_or_exit(mode: str, argv: list[str], command: str | None = None) -> Config:
+    """load_config for an entry point: a mistake is one line on stderr and exit 2; -h/--help prints
+    the usage (of `command`, default the mode's launcher) and exits 0."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(usage(mode, command))
+        raise SystemExit(0)
     try:
         return load_config(mode, argv)
     except ConfigError as e:

@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     from async_flowgrpo.config import config_or_exit
     from async_flowgrpo.builders import build_policy
 
-    cfg = config_or_exit("fully_async", argv)
+    cfg = config_or_exit("fully_async", argv, command="python -m async_flowgrpo.evaluation")
     policy = build_policy(cfg)
     if cfg.trainer.resume:
         from async_flowgrpo import checkpoint

@@ -54,5 +54,8 @@ def main(paths: list[str], out: str) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python benchmarks/plot_run.py METRICS.jsonl [METRICS.jsonl ...] [OUT.png]\n" + __doc__.split("\n\n", 2)[2].rstrip())
+        raise SystemExit(0 if args else 2)
     pngs = [p for p in args if p.endswith(".png")]
     main([p for p in args if not p.endswith(".png")], pngs[-1] if pngs else "run.png")

@@ -337,6 +337,11 @@ def main() -> None:  # python -m async_flowgrpo.shapes.scenes [outdir]
     import os
     import sys
 
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print("usage: python -m async_flowgrpo.shapes.scenes [OUTDIR]\n\n"
+              "Writes the shapes prompt split (shapes_train.jsonl, shapes_eval.jsonl) to OUTDIR "
+              "(default: the package's assets/prompts).")
+        return
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "assets", "prompts")
     train, evals = split_prompts()
     write_jsonl(train, os.path.join(out, "shapes_train.jsonl"))
