@@ -119,7 +119,7 @@ def main(mode: str, argv: list[str]) -> None:
 
 
 def _shutdown_ray() -> None:
-    """A local cluster's raylet and GCS must not outlive the driver, however it ends."""
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    """A local cluster's processes must not outlive the driver, however it ends."""
+    cluster = sys.modules.get("async_flowgrpo.driver.cluster")
+    if cluster is not None:
+        cluster.shutdown_ray()

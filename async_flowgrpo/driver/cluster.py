@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -45,7 +46,7 @@ def init_ray(cfg: Config) -> None:
         return
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
     to_console = cfg.logging.actor_output == "console"
-    with _driver_signals_kept():
+    with _driver_signals_kept(), _ray_in_its_own_group(start=not address):
         if address:
             try:
                 ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
@@ -61,6 +62,66 @@ def init_ray(cfg: Config) -> None:
                 include_dashboard=False,
                 log_to_driver=to_console,
             )
+
+
+# The keeper of the process group that holds the Ray this process started (see _ray_in_its_own_group).
+_keeper: subprocess.Popen | None = None
+
+
+@contextmanager
+def _ray_in_its_own_group(start: bool) -> Iterator[None]:
+    """The processes of a Ray that ray.init starts here (GCS, raylet and, under the raylet, its two
+    agents) go into a process group of their own, held by a keeper process:
+
+    - A SIGTERM to the launcher's process group (what `timeout`, SLURM's scancel and systemd's stop
+      send) reaches the driver alone, which stops gracefully with a checkpoint of the current step.
+      In the driver's group, Ray's processes would die with it (Ray blocks SIGINT there, not
+      SIGTERM), leaving nothing to save from and a driver that Ray's GCS client hangs for 60 s,
+      then exits 1.
+    - When the driver dies, however it dies (its end of the keeper's pipe closes), the keeper kills
+      the group. The GCS and raylet share the driver's fate anyway (PR_SET_PDEATHSIG), but the
+      agents outlive a driver killed by SIGKILL by a minute or more, ignoring SIGTERM. The keeper
+      ignores SIGTERM, SIGINT and SIGHUP, so that a signal sent to every process of the run (as
+      SLURM and systemd do) still leaves it to end what is left once the driver has gone.
+
+    (Ray's worker processes put themselves in groups of their own and die with the raylet.)"""
+    global _keeper
+    if not start:
+        yield
+        return
+    _end_keeper()  # a Ray this process started before and shut down: nothing of it stays
+    _keeper = subprocess.Popen(["sh", "-c", "trap '' TERM INT HUP; read _; kill -KILL 0"], stdin=subprocess.PIPE,
+                               preexec_fn=os.setpgrp)
+    group = _keeper.pid
+    from ray._private import services
+
+    class InKeepersGroup(services.ConsolePopen):
+        def __init__(self, *args, preexec_fn=None, **kwargs):
+            def join_then_ray_preexec():
+                os.setpgid(0, group)
+                if preexec_fn is not None:
+                    preexec_fn()
+
+            super().__init__(*args, preexec_fn=join_then_ray_preexec, **kwargs)
+
+    with mock.patch.object(services, "ConsolePopen", InKeepersGroup):
+        yield
+
+
+def _end_keeper() -> None:
+    """Kill what is left of the Ray this process started (after ray.shutdown: the agents)."""
+    global _keeper
+    if _keeper is not None:
+        _keeper.stdin.close()
+        _keeper.wait(timeout=30)
+        _keeper = None
+
+
+def shutdown_ray() -> None:
+    """Leave Ray; a Ray this process started is gone afterwards, to the last process."""
+    if ray.is_initialized():
+        ray.shutdown()
+    _end_keeper()
 
 
 @contextmanager
