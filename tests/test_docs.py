@@ -40,7 +40,7 @@ def bash_commands(path: str) -> list[list[str]]:
         for line in block.replace("\\\n", " ").splitlines():
             for part in line.split("&&"):
                 words = shlex.split(part, comments=True)
-                if words and words[0] in ("python", "python3") and words[1:2] != ["-m", "venv"]:
+                if words and words[0] in ("python", "python3") and words[1:3] != ["-m", "venv"]:
                     out.append(words[1:])
     return out
 
