@@ -60,11 +60,11 @@ def test_config_reference_describes_every_key():
             assert f"`{section}.{field}`" in text
 
 
-def _help_text(target: str) -> tuple[int, str]:
+def _help_text(target: str, sub: tuple[str, ...] = ()) -> tuple[int, str]:
     """`python <target> --help` (or `python -m <target> --help`), run in this process: the heavy
     imports are already here, so the whole battery takes seconds."""
     argv, out = sys.argv, io.StringIO()
-    sys.argv = [target, "--help"]
+    sys.argv = [target, *sub, "--help"]
     cwd = os.getcwd()
     os.chdir(ROOT)
     code = 0
@@ -113,6 +113,9 @@ def test_doc_commands_exist_and_take_their_flags(help_texts):
             continue
         assert target in help_texts, f"{doc}: `python {shlex.join(words)}`: {target} is not an entry point tests/test_docs.py knows"
         rc, usage = help_texts[target]
+        rest = words[2:] if words[0] == "-m" else words[1:]
+        if rest and re.fullmatch(r"[a-z][a-z_-]*", rest[0]) and "{" in usage:  # an argparse subcommand
+            usage += _help_text(target, (rest[0],))[1]
         for flag in (w.split("=")[0] for w in words if w.startswith("--")):
             assert flag in usage, f"{doc}: `python {shlex.join(words)}`: {target} has no {flag}"
 
