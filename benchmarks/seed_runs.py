@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""Learning on several seeds: run a launcher once per seed, then report every run.
+
+What a user runs is what is measured: each seed is `python launch/<mode>.py [FILES] [key=value ...]
+trainer.seed=S rollout.seed=S` as a subprocess, with the launcher's own held-out evaluation. A run
+keeps its metrics.jsonl, config.yaml, the command, its wall time and its first and last evaluation
+grids under benchmarks/results/seed_runs/<name>/seed<S>/ (checkpoints and rollout grids are
+deleted). A seed whose run finished is skipped, so an interrupted sweep continues where it stopped,
+and two invocations with different --seeds can run side by side into the same <name>.
+
+    python benchmarks/seed_runs.py run recipe --seeds 0,1,2,3,4                 # the defaults
+    python benchmarks/seed_runs.py run nft --seeds 0,1 config/diffusion_nft.yaml
+    python benchmarks/seed_runs.py run lr3e-4 --seeds 10,11 --mode sync trainer.lr=3e-4
+    python benchmarks/seed_runs.py report recipe nft                            # tables + summary.json
+    python benchmarks/seed_runs.py report recipe nft --plot benchmarks/results/seed_runs/curves.png
+
+The report gives per seed the held-out accuracy at every evaluation, the rise of the **last**
+evaluation over step 0, the training reward's first and last quarter and the wall time; then the
+mean rise, its standard error (std / sqrt(n)) and the worst seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import REPO, RESULTS, log  # noqa: E402
+
+ROOT = os.path.join(RESULTS, "seed_runs")
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def read_metrics(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def finished(run_dir: str) -> bool:
+    return os.path.exists(os.path.join(run_dir, "run.json"))
+
+
+def evaluate_final(out: str, args: list[str], guidance: float, env: dict) -> float:
+    """Held-out accuracy of the run's last checkpoint at another CFG scale (the same evaluation)."""
+    cmd = [sys.executable, "-m", "async_flowgrpo.evaluation", *args, f"trainer.output_dir={out}",
+           "trainer.resume=latest", f"eval.guidance_scale={guidance}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.split()[:1] == ["eval/accuracy"]:
+            return float(line.split()[1])
+    raise SystemExit(f"{out}: evaluation at CFG {guidance} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+
+
+def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[float]) -> None:
+    out = os.path.join(ROOT, name, f"seed{seed}")
+    if finished(out):
+        log(f"{name} seed {seed}: done before, skipped")
+        return
+    shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
+    cmd = [sys.executable, os.path.join("launch", f"{mode}.py"), *args, f"trainer.seed={seed}", f"rollout.seed={seed}"]
+    full = [*cmd, f"trainer.output_dir={out}", "logging.progress=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
+    log(f"{name} seed {seed}: {shlex.join(full)}")
+    t0 = time.perf_counter()
+    proc = subprocess.run(full, cwd=REPO, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
+    final_at = {str(g): evaluate_final(out, args, g, env) for g in other_cfg}
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # weights: MBs per run, not needed
+    grids = sorted(f for f in os.listdir(os.path.join(out, "samples")) if f.startswith("eval_"))
+    for f in os.listdir(os.path.join(out, "samples")):
+        if f not in (grids[:1] + grids[-1:]):
+            os.remove(os.path.join(out, "samples", f))
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
+                   "mode": mode, "wall_s": round(wall, 1),
+                   "final_eval_accuracy_at_cfg": final_at, "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
+    log(f"{name} seed {seed}: {wall:.0f} s")
+
+
+def summarize_run(run_dir: str) -> dict:
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    info = json.load(open(os.path.join(run_dir, "run.json")))
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
+    quarter = max(1, len(rewards) // 4)
+    steps = sorted(evals)
+    return {
+        "seed": info["seed"],
+        "command": info["command"],
+        "wall_s": info["wall_s"],
+        "eval_accuracy": {s: round(evals[s], 4) for s in steps},
+        "rise": round(evals[steps[-1]] - evals[steps[0]], 4),
+        "reward_first_quarter": round(sum(rewards[:quarter]) / quarter, 4),
+        "reward_last_quarter": round(sum(rewards[-quarter:]) / quarter, 4),
+        "final_at_cfg": info.get("final_eval_accuracy_at_cfg", {}),
+        "staleness_mean": round(sum(r.get("staleness/mean", 0) for r in rows) / max(1, len(rewards)), 3),
+    }
+
+
+def summarize(name: str) -> dict:
+    base = os.path.join(ROOT, name)
+    runs = [summarize_run(os.path.join(base, d)) for d in sorted(os.listdir(base))
+            if d.startswith("seed") and finished(os.path.join(base, d))]
+    if not runs:
+        raise SystemExit(f"{name}: no finished run under {base}")
+    runs.sort(key=lambda r: r["seed"])
+    rises = [r["rise"] for r in runs]
+    n = len(rises)
+    mean = sum(rises) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in rises) / (n - 1) / n) if n > 1 else math.nan
+    summary = {"name": name, "runs": runs, "n": n, "rise_mean": round(mean, 4), "rise_se": round(se, 4),
+               "rise_worst": min(rises), "reward_quarters_rising": sum(r["reward_last_quarter"] > r["reward_first_quarter"] for r in runs)}
+    with open(os.path.join(base, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return summary
+
+
+def table(summary: dict) -> str:
+    lines = [f"{summary['name']}: `{summary['runs'][0]['command']}` (seed varies)", "",
+             "| seed | held-out eval/accuracy by step | rise (last - step 0) | training reward, first -> last quarter | wall |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in summary["runs"]:
+        curve = " -> ".join(f"{v:.3f}" for v in r["eval_accuracy"].values())
+        curve += "".join(f"; CFG {g}: {v:.3f}" for g, v in r["final_at_cfg"].items())
+        lines.append(f"| {r['seed']} | {curve} | {r['rise']:+.3f} | {r['reward_first_quarter']:.3f} -> "
+                     f"{r['reward_last_quarter']:.3f} | {r['wall_s']:.0f} s |")
+    lines.append(f"| mean (n={summary['n']}) | | **{summary['rise_mean']:+.3f}** (SE {summary['rise_se']:.3f}, "
+                 f"worst {summary['rise_worst']:+.3f}) | last quarter above first in "
+                 f"{summary['reward_quarters_rising']}/{summary['n']} | |")
+    return "\n".join(lines)
+
+
+def plot(summaries: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, s in enumerate(summaries):
+        color = f"C{k}"
+        for i, r in enumerate(s["runs"]):
+            steps = [int(x) for x in r["eval_accuracy"]]
+            ax.plot(steps, list(r["eval_accuracy"].values()), color=color, alpha=0.35, lw=1)
+        steps = sorted({int(x) for r in s["runs"] for x in r["eval_accuracy"]})
+        mean = [sum(r["eval_accuracy"].get(st, r["eval_accuracy"].get(str(st), math.nan)) for r in s["runs"]) / s["n"] for st in steps]
+        ax.plot(steps, mean, color=color, lw=2.5, label=f"{s['name']} (mean of {s['n']})")
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("held-out accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the seeds not yet finished")
+    r.add_argument("name", help="results go to benchmarks/results/seed_runs/NAME/seed<S>/")
+    r.add_argument("--seeds", required=True, help="comma list, e.g. 0,1,2,3,4")
+    r.add_argument("--mode", default="fully_async", choices=MODES)
+    r.add_argument("--other-cfg", default="", help="also evaluate the last checkpoint at these CFG scales, e.g. 1.0")
+    r.add_argument("args", nargs="*", help="YAML files and key=value overrides, as the launcher takes them")
+    p = sub.add_parser("report", help="per-seed tables and summary.json of finished runs")
+    p.add_argument("names", nargs="+")
+    p.add_argument("--plot", help="write a PNG of the held-out accuracy curves")
+    a, rest = ap.parse_known_args(argv)
+    if a.cmd == "run":
+        bad = [x for x in rest if x.startswith("-")]
+        if bad:
+            ap.error(f"unrecognized arguments: {' '.join(bad)}")
+        a.args += rest  # overrides given after --seeds
+    elif rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if a.cmd == "run":
+        try:
+            seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+        except ValueError:
+            ap.error(f"--seeds {a.seeds!r}: expected a comma list of integers")
+        for seed in seeds:
+            run_seed(a.name, seed, a.mode, a.args, [float(g) for g in a.other_cfg.split(",") if g.strip()])
+        return
+    summaries = [summarize(n) for n in a.names]
+    for s in summaries:
+        print(table(s), end="\n\n")
+    if a.plot:
+        plot(summaries, a.plot)
+
+
+if __name__ == "__main__":
+    main()
