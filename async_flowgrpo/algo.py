@@ -186,16 +186,45 @@ def zero_std_fraction(rewards: Tensor, group_ids: Tensor) -> float:
     return float(per_group.float().mean()) if len(ids) else 0.0
 
 
-def importance_weights(prox_log_prob: Tensor, behav_log_prob: Tensor, is_cap: float | None) -> Tensor:
-    """Staleness correction w = min(pi_prox / pi_behav, is_cap), no gradient (truncated IS)."""
-    w = torch.exp(prox_log_prob.detach().float() - behav_log_prob.detach().float())
-    return w if is_cap is None else w.clamp(max=is_cap)
+IS_CORRECTIONS = ("element_mean", "step", "none")
+IS_MODES = ("truncate", "mask")
+
+
+def log_importance_weights(prox_log_prob: Tensor, behav_log_prob: Tensor, *, correction: str = "element_mean",
+                           elements: int = 1) -> Tensor:
+    """log(pi_prox / pi_behav) per (sample, step), no gradient. The log-probs are means over the
+    latent's `elements` entries (sde_step), so their difference is the log of the D-th root of the
+    step's density ratio. "element_mean" keeps it (Flow-GRPO's scale); "step" multiplies it back to
+    the log-ratio of the whole transition x -> x', the action of a denoising step (AReaL's per-token
+    ratio, with a step for a token); "none" is 0: w = 1 exactly."""
+    if correction not in IS_CORRECTIONS:
+        raise ValueError(f"is_correction must be one of {IS_CORRECTIONS}, got {correction!r}")
+    log_w = prox_log_prob.detach().float() - behav_log_prob.detach().float()
+    if correction == "none":
+        return torch.zeros_like(log_w)
+    return log_w * elements if correction == "step" else log_w
+
+
+def importance_weights(prox_log_prob: Tensor, behav_log_prob: Tensor, is_cap: float | None, *,
+                       correction: str = "element_mean", mode: str = "truncate", elements: int = 1) -> Tensor:
+    """Staleness correction w = pi_prox / pi_behav (`log_importance_weights`), no gradient. Above
+    is_cap: "truncate" clamps w to is_cap (truncated IS: the pair still pushes, at most is_cap times);
+    "mask" sets w = 0 (AReaL's decoupled loss: the pair leaves the loss but still counts in its mean)."""
+    if mode not in IS_MODES:
+        raise ValueError(f"is_mode must be one of {IS_MODES}, got {mode!r}")
+    log_w = log_importance_weights(prox_log_prob, behav_log_prob, correction=correction, elements=elements)
+    w = torch.exp(log_w)
+    if is_cap is None:
+        return w
+    above = log_w > math.log(is_cap)  # in log space: exp overflows to inf for large step ratios
+    return torch.where(above, torch.full_like(w, is_cap if mode == "truncate" else 0.0), w)
 
 
 def effective_sample_size(w: Tensor) -> Tensor:
-    """Normalised ESS (sum w)^2 / (n sum w^2), in (0, 1]; 1 when all weights are equal."""
+    """Normalised ESS (sum w)^2 / (n sum w^2), in (0, 1]; 1 when all weights are equal, 0 when all
+    are 0 (every pair masked)."""
     w = w.detach().flatten().double()
-    return (w.sum() ** 2 / (w.numel() * (w**2).sum())).float()
+    return torch.nan_to_num(w.sum() ** 2 / (w.numel() * (w**2).sum()), nan=0.0).float()
 
 
 def policy_loss(
@@ -207,13 +236,17 @@ def policy_loss(
     clip_range: float,
     adv_clip: float,
     is_cap: float | None,
+    is_correction: str = "element_mean",
+    is_mode: str = "truncate",
+    elements: int = 1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO clipped loss (mean over every element), and its metrics.
 
     u = exp(logp - prox) is the PPO ratio to the proximal policy (the trainer's weights at the
-    start of the update, "recompute" mode); w = min(exp(prox - behav), is_cap) corrects for the
-    rollout having used older weights. "bypass" mode: pass prox_log_prob = behav_log_prob, so
-    w = 1 and u is the plain ratio to the behaviour policy. prox and behav are detached here.
+    start of the update, "recompute" mode), on the per-element-mean scale the clip range is set
+    for; w = `importance_weights(prox, behav, is_cap, ...)` corrects for the rollout having used
+    older weights. "bypass" mode: pass prox_log_prob = behav_log_prob, so w = 1 and u is the plain
+    ratio to the behaviour policy. prox and behav are detached here.
     `advantages` align from the left: [B] works with log_prob [B, T]. Metrics are detached 0-dim
     tensors (float() them when logging; no device sync here).
     """
@@ -221,10 +254,12 @@ def policy_loss(
     adv = advantages.detach().to(log_prob.dtype).clamp(-adv_clip, adv_clip)
     adv = adv.reshape(*adv.shape, *([1] * (log_prob.ndim - adv.ndim)))
     ratio = torch.exp(log_prob - prox)
-    w = importance_weights(prox, behav_log_prob, is_cap).to(log_prob.dtype)
+    is_kw = dict(correction=is_correction, elements=elements)
+    w = importance_weights(prox, behav_log_prob, is_cap, mode=is_mode, **is_kw).to(log_prob.dtype)
     clipped = torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     loss = (w * torch.maximum(-adv * ratio, -adv * clipped)).mean()
     with torch.no_grad():
+        log_w = log_importance_weights(prox, behav_log_prob, **is_kw)
         metrics = {
             "policy/clip_frac": ((ratio - 1).abs() > clip_range).float().mean(),
             "policy/ratio_mean": ratio.mean(),
@@ -232,8 +267,16 @@ def policy_loss(
             "is/weight_mean": w.mean(),
             "is/weight_max": w.max(),
             "is/ess": effective_sample_size(w),
+            "is/capped_frac": capped_fraction(log_w, is_cap),
         }
     return loss, metrics
+
+
+def capped_fraction(log_w: Tensor, is_cap: float | None) -> Tensor:
+    """Share of pairs whose weight is above is_cap (clamped or masked, per is_mode)."""
+    if is_cap is None:
+        return torch.zeros((), device=log_w.device)
+    return (log_w > math.log(is_cap)).float().mean()
 
 
 # ---------------------------------------------------------------- DiffusionNFT

@@ -97,6 +97,8 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
         policy,
         clip_range=a.clip_range,
         is_cap=a.is_cap,
+        is_correction=a.is_correction,
+        is_mode=a.is_mode,
         prox_mode=a.prox_mode,
         uncond_grad=a.uncond_grad,
         **shared,

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from async_flowgrpo.algo import LR_SCHEDULES
+from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import available_rewards
 
@@ -101,7 +101,12 @@ class AlgorithmConfig:
     max_staleness: int = 1  # eta: admission control bound (0 = sync)
     clip_range: float = 1e-4
     adv_clip: float = 5.0
-    is_cap: float = 2.0  # truncation of the staleness weight exp(prox - behav)
+    is_cap: float = 2.0  # cap of the staleness weight exp(prox - behav) (is_mode: what happens above it)
+    # what the staleness weight is (docs/design.md): element_mean = exp of the per-element-mean log-probs'
+    # difference (Flow-GRPO's scale, the D-th root of a step's ratio) | step = the step's whole latent,
+    # exp(D x that difference) | none = w 1 exactly, the same clipped objective against the proximal policy
+    is_correction: str = "element_mean"
+    is_mode: str = "truncate"  # a weight above is_cap: truncate (w = is_cap) | mask (w = 0, as AReaL)
     beta: float = 0.0  # KL to the reference (adapters disabled); config/base.yaml: 0.04, as Flow-GRPO's quality runs
     prox_mode: str = "recompute"  # recompute | bypass
     uncond_grad: bool = True  # false: with CFG, differentiate the conditional branch only (as flow_grpo)
@@ -356,6 +361,8 @@ def validate(c: Config) -> None:
     _require(a.is_cap >= 1, "algorithm.is_cap", "must be >= 1")
     _require(a.beta >= 0, "algorithm.beta", "must be >= 0")
     _choice(a.prox_mode, "algorithm.prox_mode", ("recompute", "bypass"))
+    _choice(a.is_correction, "algorithm.is_correction", IS_CORRECTIONS)
+    _choice(a.is_mode, "algorithm.is_mode", IS_MODES)
     _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
     _choice(a.name, "algorithm.name", ALGORITHMS)
     _choice(r.sampler, "rollout.sampler", ("sde", "ode"))

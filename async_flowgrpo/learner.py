@@ -85,6 +85,8 @@ class Learner:
         clip_range: float = 1e-4,
         adv_clip: float = 5.0,
         is_cap: float | None = 2.0,
+        is_correction: str = "element_mean",
+        is_mode: str = "truncate",
         beta: float = 0.0,
         prox_mode: str = "recompute",
         micro_batch_size: int = 8,
@@ -95,6 +97,9 @@ class Learner:
     ):
         if prox_mode not in PROX_MODES:
             raise ValueError(f"prox_mode must be one of {PROX_MODES}, got {prox_mode!r}")
+        if is_correction not in algo.IS_CORRECTIONS or is_mode not in algo.IS_MODES:
+            raise ValueError(f"is_correction must be one of {algo.IS_CORRECTIONS} and is_mode one of "
+                             f"{algo.IS_MODES}, got {is_correction!r}, {is_mode!r}")
         if micro_batch_size < 1 or mini_batches < 1:
             raise ValueError("micro_batch_size and mini_batches must be >= 1")
         if beta > 0 and not policy.has_reference:
@@ -109,6 +114,8 @@ class Learner:
         self.clip_range = clip_range
         self.adv_clip = adv_clip
         self.is_cap = is_cap
+        self.is_correction = is_correction  # what the staleness weight is (algo.log_importance_weights)
+        self.is_mode = is_mode  # and what happens above is_cap
         self.beta = beta
         self.prox_mode = prox_mode
         self.micro_batch_size = micro_batch_size
@@ -207,6 +214,8 @@ class Learner:
         minis = [c.tolist() for c in torch.arange(len(samples)).tensor_split(self.mini_batches)]
         dev = self.policy.device
         fresh_sample = [bool((s.versions == version).all()) for s in samples]  # every step at `version`
+        elements = samples[0].latents[0].numel()  # D: the recorded log-probs are means over a latent's entries
+        is_kw = dict(correction=self.is_correction, elements=elements)
 
         # log-probs under the weights at the start of the update, per (sample, step)
         start_logp: dict[tuple[int, int], Tensor] = {}
@@ -217,7 +226,7 @@ class Learner:
                         log_prob, _ = self._forward(samples, sel, j, sampling, with_ref=False)
                         start_logp.update({(i, j): lp for i, lp in zip(sel, log_prob)})
 
-        ratios, weights, fresh_diffs = [], [], []
+        ratios, weights, log_ws, fresh_diffs = [], [], [], []
         pg_sum = kl_sum = torch.zeros((), device=dev)
         grad_norms, pairs_trained, samples_trained, skipped = [], 0, 0, 0
         half_cos = []
@@ -226,7 +235,7 @@ class Learner:
             if n_pairs == 0:
                 raise ValueError("no recorded steps to train on (window_size 0 groups are for evaluation)")
             mb_pg = mb_kl = torch.zeros((), device=dev)
-            mb_ratios, mb_weights = [], []
+            mb_ratios, mb_weights, mb_log_w = [], [], []
             first_half, seen = None, set()
             for sel, j in self._micro_steps(samples, mini):
                 if first_half is None and j == 0 and 2 * len(seen) >= len(mini):
@@ -242,7 +251,8 @@ class Learner:
                 else:
                     prox = torch.stack([start_logp[(i, j)] for i in sel])
                 pg, _ = algo.policy_loss(
-                    log_prob, prox, behav, adv, clip_range=self.clip_range, adv_clip=self.adv_clip, is_cap=self.is_cap
+                    log_prob, prox, behav, adv, clip_range=self.clip_range, adv_clip=self.adv_clip, is_cap=self.is_cap,
+                    is_correction=self.is_correction, is_mode=self.is_mode, elements=elements,
                 )
                 loss = pg if kl is None else pg + self.beta * kl.mean()
                 (loss * (len(sel) / n_pairs)).backward()
@@ -251,7 +261,8 @@ class Learner:
                 if kl is not None:
                     mb_kl = mb_kl + self.beta * kl.detach().sum()
                 mb_ratios.append(torch.exp(log_prob.detach() - prox))
-                mb_weights.append(algo.importance_weights(prox, behav, self.is_cap))
+                mb_weights.append(algo.importance_weights(prox, behav, self.is_cap, mode=self.is_mode, **is_kw))
+                mb_log_w.append(algo.log_importance_weights(prox, behav, **is_kw))
                 at_start = prox if self.prox_mode == "recompute" else (log_prob.detach() if mi == 0 else None)
                 fresh = [k for k, i in enumerate(sel) if fresh_sample[i]]
                 if at_start is not None and fresh:
@@ -276,6 +287,7 @@ class Learner:
                 samples_trained += len(mini)
                 ratios += mb_ratios
                 weights += mb_weights
+                log_ws += mb_log_w
             # set_to_none: the next mini-batch's first backward writes its gradient instead of
             # adding it to zeros (no memset of every grad, no extra read); the loop above still
             # gives every parameter a .grad before the reduce, so the math is unchanged
@@ -300,6 +312,7 @@ class Learner:
                     "is/weight_mean": float(w.mean()),
                     "is/weight_max": float(w.max()),
                     "is/ess": float(algo.effective_sample_size(w)),
+                    "is/capped_frac": float(algo.capped_fraction(torch.cat(log_ws), self.is_cap)),
                     "train/grad_norm": sum(grad_norms) / len(grad_norms),
                 }
             )
