@@ -347,8 +347,10 @@ def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, wa
     """The multiplier of the base lr at trainer step `step` (0-based): a linear warm-up over the first
     `warmup_steps`, then constant, or a cosine or linear decay that reaches `min_ratio` at `total_steps`.
 
-    Why a decay: with a few prompts per step the gradient is mostly noise, and at a constant lr Adam's
-    noise-driven steps keep moving the adapter long after the signal is used (README, "Learning").
+    Why a decay: with a few prompts per step an update is mostly noise (on the embedded default the
+    two half-batches' gradients have a cosine of about 0.01, `grad/half_cos`), so at a constant lr
+    the adapter keeps random-walking after the signal is used and the held-out gain drifts back;
+    a decaying lr lets the late updates average out instead (docs/results.md, "Learning").
     """
     if schedule not in LR_SCHEDULES:
         raise ValueError(f"lr schedule must be one of {LR_SCHEDULES}, got {schedule!r}")
