@@ -372,6 +372,57 @@ def test_bypass_mode_weights_are_one_and_is_cap_truncates():
     assert torch.equal(algo.importance_weights(torch.tensor([2.0]), torch.zeros(1), None), torch.tensor([math.exp(2.0)]))
 
 
+def test_step_correction_is_the_summed_log_ratio_capped_or_masked():
+    """is_correction=step: log w = D (prox - behav), the density ratio of the step's whole latent
+    when the log-probs are per-element means; above is_cap truncate clamps it, mask zeroes it."""
+    d = 256
+    prox = torch.tensor([0.0, 0.5, -1.0, 2.0]) / d
+    behav = torch.zeros(4)
+    log_w = algo.log_importance_weights(prox, behav, correction="step", elements=d)
+    torch.testing.assert_close(log_w, torch.tensor([0.0, 0.5, -1.0, 2.0]))
+    raw = torch.exp(log_w)
+    trunc = algo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="truncate")
+    mask = algo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="mask")
+    torch.testing.assert_close(trunc, torch.tensor([1.0, 1.5, raw[2].item(), 1.5]))
+    torch.testing.assert_close(mask, torch.tensor([1.0, 0.0, raw[2].item(), 0.0]))
+    # element_mean (the default) is the D-th root: the same log-probs give weights within 1%
+    assert (algo.importance_weights(prox, behav, 1.5) - 1).abs().max() < 0.01
+    # a ratio far beyond float range is capped, not inf (the cap is applied in log space)
+    huge = algo.importance_weights(torch.tensor([1.0]), torch.zeros(1), 2.0, correction="step", elements=10**4)
+    assert huge.item() == 2.0
+    assert algo.capped_fraction(log_w, 1.5).item() == 0.5 and algo.capped_fraction(log_w, None).item() == 0.0
+    with pytest.raises(ValueError, match="is_correction"):
+        algo.log_importance_weights(prox, behav, correction="sum")
+    with pytest.raises(ValueError, match="is_mode"):
+        algo.importance_weights(prox, behav, 2.0, mode="clip")
+
+
+def test_policy_loss_correction_none_and_mask():
+    """none: w = 1 exactly, so a stale batch's loss is the fresh batch's (same clipped objective
+    against prox); mask: pairs above the cap leave the loss but still count in its mean."""
+    lp = (rand(6, 3, seed=60) * 0.01).float().requires_grad_()
+    prox = lp.detach() + (rand(6, 3, seed=61) * 0.01).float()
+    behav = prox + (rand(6, 3, seed=62) * 0.01).float()  # stale: behav != prox
+    adv = rand(6, seed=63).float()
+    kw = dict(clip_range=0.005, adv_clip=5.0, is_cap=2.0, elements=100)
+    off, m = algo.policy_loss(lp, prox, behav, adv, is_correction="none", **kw)
+    fresh, _ = algo.policy_loss(lp, prox, prox, adv, **kw)
+    assert torch.equal(off, fresh)
+    assert m["is/weight_mean"] == 1 and m["is/weight_max"] == 1 and m["is/capped_frac"] == 0
+    masked, m = algo.policy_loss(lp, prox, behav, adv, is_correction="step", is_mode="mask", **kw)
+    log_w = 100 * (prox.double() - behav.double())
+    keep = log_w <= math.log(2.0)
+    assert 0 < keep.sum() < keep.numel()
+    a = adv.double().clamp(-5, 5).unsqueeze(-1)
+    u = torch.exp(lp.detach().double() - prox.double())
+    terms = torch.maximum(-a * u, -a * u.clamp(1 - 0.005, 1 + 0.005))
+    close(masked, (torch.where(keep, log_w.exp(), 0.0) * terms).mean(), rtol=1e-5, atol=1e-7)
+    close(m["is/capped_frac"], (~keep).double().mean())
+    masked.backward()
+    grad = lp.grad.clone()
+    assert (grad[~keep] == 0).all() and (grad[keep] != 0).any()
+
+
 def test_effective_sample_size():
     assert algo.effective_sample_size(torch.full((10,), 0.3)).item() == pytest.approx(1.0)
     w = torch.tensor([1.0, 0.1, 0.1, 0.1])

@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import math
 import os
 import threading
 
@@ -21,7 +22,7 @@ PROMPTS = ["a red circle", "a blue square"]
 STEPS = 5
 METRIC_KEYS = {
     "loss/policy", "loss/kl", "policy/clip_frac", "policy/ratio_mean", "is/weight_mean", "is/weight_max",
-    "is/ess", "train/grad_norm", "logp/max_abs_diff", "staleness/mean", "staleness/max", "reward/mean",
+    "is/ess", "is/capped_frac", "train/grad_norm", "logp/max_abs_diff", "staleness/mean", "staleness/max", "reward/mean",
     "reward/std", "samples/trained", "train/skipped_nonfinite",
 }
 
@@ -115,6 +116,57 @@ def test_bypass_and_recompute_weights_and_staleness(policy, groups):
             assert metrics["is/weight_mean"] == 1.0 and metrics["is/weight_max"] == 1.0
         assert metrics["staleness/mean"] == 2 and metrics["staleness/max"] == 2
         assert "logp/max_abs_diff" not in metrics  # no fresh samples at version 2: nothing to compare
+
+
+@torch.no_grad()
+def rescored(policy, groups):
+    """Copies of `groups` whose recorded log-probs are the policy's current ones: fresh data."""
+    out = []
+    for g in groups:
+        n, cond = g.size, (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)
+        cond = [None if t is None else t.unsqueeze(0).expand(n, *t.shape) for t in cond]
+        cols = [policy.recompute(g.latents[:, j], g.latents[:, j + 1], g.sigmas[j].expand(n), g.sigmas[j + 1].expand(n),
+                                 *cond, guidance_scale=g.params.guidance_scale, noise_level=g.params.noise_level,
+                                 sde_type=g.params.sde_type)[0] for j in range(g.log_probs.shape[1])]
+        out.append(copy.copy(g))
+        out[-1].log_probs = torch.stack(cols, 1).float()
+    return out
+
+
+def test_staleness_correction_options(model_dir):
+    """Stale groups (sampled before two updates): is_correction=none gives w = 1 exactly and the
+    update of the same data made fresh; step gives exp(D (prox - behav)) capped; mask drops the
+    pairs above the cap."""
+    policy = make_policy(model_dir)
+    stale = rollout(policy, seed=7)
+    for v in range(2):
+        Learner(policy, lr=1e-2).train_step(stale, version=v)
+    moved = {k: v.clone() for k, v in policy.trainable_state().items()}
+    fresh = rescored(policy, stale)
+    behav, prox = torch.cat([g.log_probs for g in stale]), torch.cat([g.log_probs for g in fresh])
+    d = stale[0].latents[0, 0].numel()
+    assert (d * (prox - behav)).abs().max() > 0.1  # the step-level weights are far from 1
+
+    def update(groups, **kw):
+        policy.load_trainable_state(moved)
+        metrics = Learner(policy, lr=1e-3, **kw).train_step(groups, version=2)
+        return metrics, {k: v.clone() for k, v in policy.trainable_state().items()}
+
+    off, off_weights = update(stale, is_correction="none")
+    same, same_weights = update(fresh)
+    assert off["is/weight_mean"] == 1.0 and off["is/weight_max"] == 1.0 and off["is/capped_frac"] == 0.0
+    assert off["loss/policy"] == same["loss/policy"] and off["staleness/mean"] == 2
+    assert all(torch.equal(off_weights[k], same_weights[k]) for k in same_weights)
+
+    for mode, cap in (("truncate", 2.0), ("mask", 1.0)):
+        m, _ = update(stale, is_correction="step", is_mode=mode, is_cap=cap)
+        w = algo.importance_weights(prox, behav, cap, correction="step", mode=mode, elements=d)
+        assert m["is/weight_mean"] == pytest.approx(float(w.mean()), rel=1e-4)
+        assert m["is/weight_max"] == pytest.approx(float(w.max()), rel=1e-4) and m["is/weight_max"] <= cap
+        above = float((d * (prox - behav) > math.log(cap)).float().mean())
+        assert m["is/capped_frac"] == pytest.approx(above) and (mode == "truncate" or 0 < above < 1)
+    element, _ = update(stale)  # today's default, the D-th root: near 1 even after two lr-1e-2 updates
+    assert abs(element["is/weight_mean"] - 1) < 0.05 and element["is/capped_frac"] == 0.0
 
 
 def test_mixed_version_trajectories_and_kl(model_dir):
