@@ -30,8 +30,8 @@ def brightness(groups) -> torch.Tensor:
     return torch.cat([g.images.float().mean(dim=(1, 2, 3)) / 255 for g in groups])
 
 
-def expected_reward_change(algorithm: str, sign: float, updates: int = 4, group_size: int = 16) -> float:
-    """Mean brightness of 2 x 64 samples (fixed seeds) after `updates` updates minus before."""
+def expected_reward_change(algorithm: str, sign: float, updates: int = 3, group_size: int = 8, samples: int = 32) -> float:
+    """Mean brightness of 2 x `samples` samples (fixed seeds) after `updates` updates minus before."""
     cfg = load_config("sync", [f"algorithm.name={algorithm}", "trainer.lr=1e-3"])
     learner = build_learner(cfg)
     sampling = rollout_sampling(cfg.rollout)
@@ -46,7 +46,7 @@ def expected_reward_change(algorithm: str, sign: float, updates: int = 4, group_
         finally:
             policy.load_trainable_state(trained)
 
-    before = brightness(generate(64, seed=1234)).mean().item()  # seeds apart from the training ones
+    before = brightness(generate(samples, seed=1234)).mean().item()  # seeds apart from the training ones
     for step in range(updates):
         groups = generate(group_size, seed=step, version=step)
         rewards = brightness(groups)
@@ -55,7 +55,7 @@ def expected_reward_change(algorithm: str, sign: float, updates: int = 4, group_
         for i, g in enumerate(groups):
             g.rewards, g.advantages = rewards[ids == i], sign * advantages[ids == i]
         learner.train_step(groups, version=step)
-    after = brightness(generate(64, seed=1234)).mean().item()
+    after = brightness(generate(samples, seed=1234)).mean().item()
     return after - before
 
 
