@@ -245,7 +245,7 @@ def shipped_pipe():
 
 
 def test_shipped_model_is_small_and_covers_vocabulary(shipped_pipe):
-    from async_flowgrpo.models.tiny_sd3 import read_model_settings
+    from async_flowgrpo.models.common import read_model_settings
 
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(MODEL) for f in fs)
     assert size < 8 * 2**20
@@ -258,7 +258,7 @@ def test_shipped_model_is_small_and_covers_vocabulary(shipped_pipe):
 
 
 def test_shipped_model_generates_32px_quickly(shipped_pipe):
-    from async_flowgrpo.models.tiny_sd3 import read_model_settings
+    from async_flowgrpo.models.common import read_model_settings
 
     settings = read_model_settings(MODEL)
     prompts = ["a red circle", "two blue squares", "a green triangle left of a yellow square", "a cyan circle"]

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from async_flowgrpo.config import Config
-from async_flowgrpo.models.sd3 import SD3_LORA_TARGETS
+from async_flowgrpo.models.sd3 import SD3Adapter
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.policy import DiffusionPolicy
 from async_flowgrpo.rollout import vllm_omni as vo
@@ -219,12 +219,12 @@ def test_adapter_dir_is_a_peft_adapter_of_the_policy(policy, tmp_path):
     from safetensors.torch import load_file
 
     state = {k: v + 0.5 for k, v in policy.trainable_state().items()}
-    book = vo.LoraAdapterBook(str(tmp_path), rank=4, alpha=8, target_modules=SD3_LORA_TARGETS, base_model="m")
+    book = vo.LoraAdapterBook(str(tmp_path), rank=4, alpha=8, target_modules=SD3Adapter.lora_target_modules, base_model="m")
     ref = book.write(state, version=6)
     assert (ref.version, ref.lora_int_id, ref.name) == (6, 7, "flowgrpo_v6")
     assert sorted(os.listdir(ref.path)) == ["adapter_config.json", "adapter_model.safetensors"]
     config = LoraConfig.from_pretrained(ref.path)
-    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8, set(SD3_LORA_TARGETS))
+    assert (config.r, config.lora_alpha, set(config.target_modules)) == (4, 8, set(SD3Adapter.lora_target_modules))
     saved = load_file(os.path.join(ref.path, "adapter_model.safetensors"))
     assert all(k.startswith("base_model.model.") and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in saved)
     # load it back the way PEFT loaders do: the live LoRA weights become the saved ones

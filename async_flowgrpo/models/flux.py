@@ -18,126 +18,27 @@ Family conventions, as the pipeline applies them:
 
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import torch
-from torch import Tensor, nn
 
-from async_flowgrpo.models import TransformerPlacement, check_model_dir, guided_velocity
-from async_flowgrpo.models.sd3 import PromptEmbeds
-from async_flowgrpo.models.tiny_sd3 import read_model_settings
-
-# The joint-attention projections of the double-stream blocks (image and text streams); the
-# single-stream blocks have to_q/to_k/to_v too (their output projection is fused with the MLP in
-# proj_out and is left alone, as in Flow-GRPO's Flux runs).
-FLUX_LORA_TARGETS = (
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-)
-DEFAULT_MAX_SEQUENCE_LENGTH = 512  # the pipeline's default (schnell users often pick 256)
+from async_flowgrpo.models.base import FamilyAdapter
+from async_flowgrpo.models.common import PromptEmbeds, pack_latents, unpack_latents  # noqa: F401  (tests import them from here)
 
 
-def pack_latents(x: Tensor) -> Tensor:
-    """[B, C, H, W] -> [B, (H/2)(W/2), 4C], the 2 x 2 patch order of Flux and Qwen-Image."""
-    b, c, h, w = x.shape
-    x = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (h // 2) * (w // 2), c * 4)
-
-
-def unpack_latents(x: Tensor, height: int, width: int) -> Tensor:
-    """Inverse of `pack_latents` for latents of spatial size height x width."""
-    b, _, d = x.shape
-    x = x.view(b, height // 2, width // 2, d // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return x.reshape(b, d // 4, height, width)
-
-
-def calculate_shift(image_seq_len: int, scheduler_config) -> float:
-    """The pipelines' resolution-dependent shift mu (linear in the packed image sequence length)."""
-    base_len = scheduler_config.get("base_image_seq_len", 256)
-    max_len = scheduler_config.get("max_image_seq_len", 4096)
-    base_shift = scheduler_config.get("base_shift", 0.5)
-    max_shift = scheduler_config.get("max_shift", 1.15)
-    m = (max_shift - base_shift) / (max_len - base_len)
-    return image_seq_len * m + base_shift - m * base_len
-
-
-def flow_sigmas(scheduler, num_steps: int, image_seq_len: int) -> Tensor:
-    """s_0 = 1 > ... > s_N = 0 (float32, CPU) as FluxPipeline / QwenImagePipeline set them."""
-    sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
-    if scheduler.config.get("use_flow_sigmas", False):
-        sigmas = None
-    mu = calculate_shift(image_seq_len, scheduler.config)
-    if sigmas is None:
-        scheduler.set_timesteps(num_steps, device="cpu", mu=mu)
-    else:
-        scheduler.set_timesteps(sigmas=sigmas, device="cpu", mu=mu)
-    return scheduler.sigmas.detach().to(torch.float32).clone()
-
-
-def load_pipeline(cls, path: str, *, device: torch.device, dtype: torch.dtype, **kwargs):
-    check_model_dir(path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch_dtype.*", category=FutureWarning)
-        pipe = cls.from_pretrained(path, torch_dtype=dtype, local_files_only=True, **kwargs)
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-class FluxAdapter(TransformerPlacement):
+class FluxAdapter(FamilyAdapter):
     family = "flux"
-    lora_target_modules = FLUX_LORA_TARGETS
-
-    def __init__(self, pipeline, *, max_sequence_length: int, resolution: int, negative_prompt: str = ""):
-        self.pipeline = pipeline
-        self.max_sequence_length = max_sequence_length
-        self.resolution = resolution
-        self.negative_prompt = negative_prompt
-
-    @classmethod
-    def load(cls, path: str, *, device: torch.device, dtype: torch.dtype) -> FluxAdapter:
-        from diffusers import FluxPipeline
-
-        pipe = load_pipeline(FluxPipeline, path, device=device, dtype=dtype)
-        settings = read_model_settings(path)
-        return cls(
-            pipe,
-            max_sequence_length=settings.get("max_sequence_length", DEFAULT_MAX_SEQUENCE_LENGTH),
-            resolution=settings.get("resolution", pipe.default_sample_size * pipe.vae_scale_factor),
-            negative_prompt=settings.get("negative_prompt", ""),
-        )
-
-    @property
-    def transformer(self) -> nn.Module:
-        return self.pipeline.transformer
-
-    @property
-    def frozen_modules(self) -> list[nn.Module]:
-        p = self.pipeline
-        return [m for m in (p.vae, p.text_encoder, p.text_encoder_2) if m is not None]
+    pipeline_class = "FluxPipeline"
+    frozen_names = ("vae", "text_encoder", "text_encoder_2")
+    # LoRA: the default attention targets. The single-stream blocks have to_q/to_k/to_v too; their
+    # output projection is fused with the MLP in proj_out and is left alone, as in Flow-GRPO's Flux runs.
+    default_max_sequence_length = 512  # the pipeline's default (schnell users often pick 256)
+    packed = True
 
     @property
     def guidance_distilled(self) -> bool:
         return bool(self.transformer.config.guidance_embeds)
 
-    def sigmas(self, num_steps: int, *, height: int | None = None, width: int | None = None) -> Tensor:
-        """Length num_steps + 1, with the (dynamic) shift for an image of height x width
-        (default: the model's resolution)."""
-        _, h, w = self.latent_shape(height or self.resolution, width or self.resolution)
-        return flow_sigmas(self.pipeline.scheduler, num_steps, (h // 2) * (w // 2))
-
-    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
-        f = self.pipeline.vae_scale_factor
-        if height % (f * 2) or width % (f * 2):  # latents are packed 2 x 2
-            raise ValueError(f"height and width must be multiples of {2 * f}, got {height}x{width}")
-        return self.transformer.config.in_channels // 4, height // f, width // f
+    def _cfg_batch(self) -> bool:
+        return not self.guidance_distilled
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], *, cfg: bool) -> PromptEmbeds:
@@ -156,51 +57,12 @@ class FluxAdapter(TransformerPlacement):
         )
         return PromptEmbeds(embeds, pooled, neg, neg_pooled)
 
-    def velocity(
-        self,
-        latents: Tensor,
-        sigma: Tensor,
-        embeds: Tensor,
-        pooled: Tensor,
-        negative_embeds: Tensor | None = None,
-        negative_pooled: Tensor | None = None,
-        *,
-        guidance_scale: float,
-        uncond_grad: bool = True,
-        transformer: nn.Module | None = None,
-    ) -> Tensor:
-        """Velocity in float32, unpacked like `latents` [B, C, H, W], at per-sample sigma [B]."""
-        transformer = transformer if transformer is not None else self.transformer
-        dt = self.dtype
-        b, _, h, w = latents.shape
-        x = pack_latents(latents.to(self.device, dt))
-        t = sigma.to(self.device, torch.float32).expand(b)  # the transformer multiplies by 1000
+    def _forward(self, transformer, x, t, embeds, pooled, *, shape, guidance_scale):
+        dt, (h, w) = self.dtype, shape[-2:]
         img_ids = self.pipeline._prepare_latent_image_ids(None, h // 2, w // 2, self.device, dt)
         txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dt)
-
-        def forward(x, t, embeds, pooled):
-            guidance = None
-            if self.guidance_distilled:
-                guidance = torch.full((x.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
-            return transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled.to(self.device, dt),
-                               encoder_hidden_states=embeds.to(self.device, dt), txt_ids=txt_ids, img_ids=img_ids,
-                               return_dict=False)[0].float()
-
-        if guidance_scale > 1.0 and not self.guidance_distilled:  # true CFG
-            if negative_embeds is None or negative_pooled is None:
-                raise ValueError("guidance_scale > 1 needs negative (unconditional) prompt embeddings")
-            v, _ = guided_velocity(forward, (x, t, embeds, pooled), (x, t, negative_embeds, negative_pooled), guidance_scale,
-                                   uncond_grad=uncond_grad)
-        else:
-            v = forward(x, t, embeds, pooled)
-        return unpack_latents(v, h, w)
-
-    @torch.no_grad()
-    def decode(self, latents: Tensor) -> Tensor:
-        """Unpacked latents [n, C, h, w] -> uint8 images [n, H, W, 3] on CPU."""
-        vae = self.pipeline.vae
-        z = latents.to(self.device, vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        images = vae.decode(z, return_dict=False)[0]
-        images = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        return images.permute(0, 2, 3, 1).cpu()
-
+        guidance = None
+        if self.guidance_distilled:
+            guidance = torch.full((x.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
+        return transformer(hidden_states=x, timestep=t, guidance=guidance, pooled_projections=pooled.to(self.device, dt),
+                           encoder_hidden_states=embeds, txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]

@@ -9,16 +9,13 @@ Saved with save_pretrained and loaded back through from_pretrained like a real c
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
-from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from async_flowgrpo.models.tiny_sd3 import ASYNC_FLOWGRPO_CONFIG, SPECIAL_TOKENS, build_tokenizer
+from async_flowgrpo.models.tiny import build_t5_tokenizer, build_tokenizer, save_tiny, tiny_autoencoder_kl
 
 DEFAULT_VOCAB = ("a", "red", "blue", "green", "circle", "square", "triangle")
 
@@ -41,18 +38,6 @@ class TinyFluxSpec:
     guidance_embeds: bool = True  # FLUX.1-dev style (schnell: False)
     dynamic_shifting: bool = True
     seed: int = 0
-
-
-def build_t5_tokenizer(vocab: tuple[str, ...], max_length: int) -> PreTrainedTokenizerFast:
-    """Word-level stand-in for T5's tokenizer: no bos, an eos at the end, pad id 0."""
-    words = list(dict.fromkeys(SPECIAL_TOKENS + [w.lower() for w in vocab]))
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(single="$A <eos>", special_tokens=[("<eos>", 3)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<pad>", model_max_length=max_length
-    )
 
 
 def build_tiny_flux(spec: TinyFluxSpec) -> FluxPipeline:
@@ -99,20 +84,9 @@ def build_tiny_flux(spec: TinyFluxSpec) -> FluxPipeline:
         guidance_embeds=spec.guidance_embeds,
         axes_dims_rope=spec.axes_dims_rope,
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
-        block_out_channels=spec.vae_channels,
-        latent_channels=spec.latent_channels,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=spec.resolution,
-        scaling_factor=0.3611,  # FLUX.1's VAE constants
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
+    vae = tiny_autoencoder_kl(  # FLUX.1's VAE constants, no quant convs
+        spec.vae_channels, spec.latent_channels, spec.resolution, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
     )
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
@@ -136,13 +110,5 @@ def build_tiny_flux(spec: TinyFluxSpec) -> FluxPipeline:
 def make_tiny_flux_dir(path: str, **spec_kw) -> str:
     """Build, save and return a tiny random Flux model directory (for tests; about a second)."""
     spec = TinyFluxSpec(**spec_kw)
-    build_tiny_flux(spec).save_pretrained(path)
-    settings = {
-        "family": "flux",
-        "resolution": spec.resolution,
-        "max_sequence_length": spec.t5_max_length,
-        "spec": asdict(spec),
-    }
-    with open(os.path.join(path, ASYNC_FLOWGRPO_CONFIG), "w") as f:
-        json.dump(settings, f, indent=2)
-    return path
+    return save_tiny(build_tiny_flux(spec), path, "flux", spec, resolution=spec.resolution,
+                     max_sequence_length=spec.t5_max_length)

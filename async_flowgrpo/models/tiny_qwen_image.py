@@ -13,10 +13,8 @@ builder checks that and records the count in async_flowgrpo.json, which the adap
 
 from __future__ import annotations
 
-import json
-import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from diffusers import (
@@ -28,7 +26,7 @@ from diffusers import (
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from async_flowgrpo.models.tiny_sd3 import ASYNC_FLOWGRPO_CONFIG
+from async_flowgrpo.models.tiny import save_tiny
 
 DEFAULT_VOCAB = ("a", "red", "blue", "green", "circle", "square", "triangle")
 # Qwen2.5-VL's chat tokens, and the vision tokens its config must point at
@@ -173,14 +171,5 @@ def make_tiny_qwen_image_dir(path: str, **spec_kw) -> str:
             f"tiny tokenizer splits the template prefix into {drop} tokens, the pipeline drops "
             f"{pipe.prompt_template_encode_start_idx}"
         )
-    pipe.save_pretrained(path)
-    settings = {
-        "family": "qwen_image",
-        "resolution": spec.resolution,
-        "max_sequence_length": spec.max_sequence_length,
-        "prompt_template_encode_start_idx": drop,
-        "spec": asdict(spec),
-    }
-    with open(os.path.join(path, ASYNC_FLOWGRPO_CONFIG), "w") as f:
-        json.dump(settings, f, indent=2)
-    return path
+    return save_tiny(pipe, path, "qwen_image", spec, resolution=spec.resolution,
+                     max_sequence_length=spec.max_sequence_length, prompt_template_encode_start_idx=drop)

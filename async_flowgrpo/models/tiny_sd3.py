@@ -9,29 +9,18 @@ Facts that shape the sizes (measured on a prototype, see issue 3):
   along features; a smaller value silently drops the second encoder.
 - The pipeline pads T5 tokens (zeros without a T5 encoder) of length max_sequence_length onto
   the CLIP tokens; we keep that length tiny and store it in `model_index`-adjacent config.
-- A word-level tokenizer (tokenizers.WordLevel wrapped as PreTrainedTokenizerFast) avoids the
-  BPE merge rules a hand-made CLIP vocab would need.
+- CLIP's tokenizers are word-level stand-ins (`models.tiny.build_tokenizer`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
-from diffusers import (
-    AutoencoderKL,
-    FlowMatchEulerDiscreteScheduler,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-)
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import CLIPTextConfig, CLIPTextModelWithProjection, PreTrainedTokenizerFast
+from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-# Extra settings of ours that the pipeline does not know about, saved beside model_index.json.
-ASYNC_FLOWGRPO_CONFIG = "async_flowgrpo.json"
-SPECIAL_TOKENS = ["<pad>", "<unk>", "<bos>", "<eos>"]
+from async_flowgrpo.models.tiny import build_tokenizer, save_tiny, tiny_autoencoder_kl
 
 
 @dataclass
@@ -50,24 +39,6 @@ class TinySD3Spec:
     pooled_dim: int = 64  # = 2 * CLIP projection dim
     shift: float = 1.0  # scheduler shift (SD3.5 uses 3.0; tiny 32px images need little)
     seed: int = 0
-
-
-def build_tokenizer(vocab: tuple[str, ...], max_length: int) -> PreTrainedTokenizerFast:
-    words = list(dict.fromkeys(SPECIAL_TOKENS + [w.lower() for w in vocab]))
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A <eos>", special_tokens=[("<bos>", 2), ("<eos>", 3)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-        model_max_length=max_length,
-        do_lower_case=True,
-    )
 
 
 def _text_encoder(spec: TinySD3Spec, vocab_size: int) -> CLIPTextModelWithProjection:
@@ -104,19 +75,8 @@ def build_tiny_sd3(spec: TinySD3Spec) -> StableDiffusion3Pipeline:
         pooled_projection_dim=spec.pooled_dim,
         pos_embed_max_size=max(latent_size // 2, 8),
     )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * len(spec.vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(spec.vae_channels),
-        block_out_channels=spec.vae_channels,
-        latent_channels=spec.latent_channels,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=spec.resolution,
-        scaling_factor=1.0,
-        shift_factor=0.0,
-    )
+    vae = tiny_autoencoder_kl(spec.vae_channels, spec.latent_channels, spec.resolution,
+                              scaling_factor=1.0, shift_factor=0.0)
     scheduler = FlowMatchEulerDiscreteScheduler(shift=spec.shift)
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -133,25 +93,7 @@ def build_tiny_sd3(spec: TinySD3Spec) -> StableDiffusion3Pipeline:
 
 def save_pipeline(pipe: StableDiffusion3Pipeline, path: str, spec: TinySD3Spec, **extra) -> None:
     """save_pretrained plus our own settings (sequence length, resolution) in async_flowgrpo.json."""
-    pipe.save_pretrained(path)
-    settings = {
-        "family": "sd3",
-        "resolution": spec.resolution,
-        "max_sequence_length": spec.t5_max_length,
-        "spec": asdict(spec),
-        **extra,
-    }
-    with open(os.path.join(path, ASYNC_FLOWGRPO_CONFIG), "w") as f:
-        json.dump(settings, f, indent=2)
-
-
-def read_model_settings(path: str) -> dict:
-    """Our extra settings for a model directory ({} for models not made by us, e.g. real SD3.5)."""
-    file = os.path.join(path, ASYNC_FLOWGRPO_CONFIG)
-    if not os.path.exists(file):
-        return {}
-    with open(file) as f:
-        return json.load(f)
+    save_tiny(pipe, path, "sd3", spec, resolution=spec.resolution, max_sequence_length=spec.t5_max_length, **extra)
 
 
 def make_tiny_model_dir(path: str, vocab: tuple[str, ...] = ("a", "red", "blue", "circle", "square"), **spec_kw) -> str:

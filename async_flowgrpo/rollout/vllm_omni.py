@@ -516,7 +516,7 @@ class VllmOmniEngine:
         from vllm_omni.lora.request import LoRARequest
 
         from async_flowgrpo.config import resolve_model_path
-        from async_flowgrpo.models.sd3 import SD3_LORA_TARGETS
+        from async_flowgrpo.models.sd3 import SD3Adapter
 
         model_path = resolve_model_path(cfg.model.path)
         check_model_dir(model_path)
@@ -546,7 +546,7 @@ class VllmOmniEngine:
             make_lora_request=LoRARequest,
             lora_rank=cfg.model.lora_rank,
             lora_alpha=cfg.model.lora_alpha,
-            lora_target_modules=SD3_LORA_TARGETS,
+            lora_target_modules=SD3Adapter.lora_target_modules,
             model_path=model_path,
             update_point=update_point,
             request_timeout_s=cfg.sync.timeout_s,

@@ -39,7 +39,7 @@ def generate(pipe, prompts: list[str], per_prompt: int = 4, steps: int = 20, cfg
              batch: int = 64) -> torch.Tensor:
     """uint8 [len(prompts) * per_prompt, H, W, 3], prompt-major; image j of prompt i uses seed
     seed * 1_000_003 + i * per_prompt + j, so results do not depend on the batch size."""
-    from ..models.tiny_sd3 import read_model_settings
+    from ..models.common import read_model_settings
 
     settings = read_model_settings(pipe.config._name_or_path) if getattr(pipe.config, "_name_or_path", None) else {}
     res = settings.get("resolution", 32)
