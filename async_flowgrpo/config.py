@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
+from async_flowgrpo.models import FAMILIES
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import available_rewards
 
@@ -34,7 +35,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model
-    family: str = "sd3"  # sd3 | flux | qwen_image (the adapter itself is picked from model_index.json)
+    family: str = "sd3"  # sd3 | flux | qwen_image | wan (the adapter itself is picked from model_index.json)
     lora_rank: int = 32  # 0 = full fine-tune
     lora_alpha: int = 64
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
@@ -272,7 +273,7 @@ def _choice(value: Any, key: str, choices: tuple) -> None:
 def validate(c: Config) -> None:
     """Impossible combinations fail here, at start, naming the key."""
     _choice(c.mode, "mode", MODES)
-    _choice(c.model.family, "model.family", ("sd3", "flux", "qwen_image"))
+    _choice(c.model.family, "model.family", FAMILIES)
     _choice(c.model.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
     model_dir = resolve_model_path(c.model.path)
     _require(os.path.isdir(model_dir), "model.path", f"not a directory: {model_dir}")

@@ -13,7 +13,8 @@ import torch
 
 from async_flowgrpo import algo
 from async_flowgrpo.config import ConfigError, load_config
-from async_flowgrpo.models.flux import FluxAdapter, pack_latents, unpack_latents
+from async_flowgrpo.models.common import pack_latents, unpack_latents
+from async_flowgrpo.models.flux import FluxAdapter
 from async_flowgrpo.models.qwen_image import QwenImageAdapter
 from async_flowgrpo.models.tiny_flux import make_tiny_flux_dir
 from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
@@ -211,4 +212,4 @@ def test_config_accepts_the_families(family):
     cfg = load_config("sync", [f"model.path={family['path']}", f"model.family={name}"])
     assert cfg.model.family == name
     with pytest.raises(ConfigError, match="model.family"):
-        load_config("sync", [f"model.path={family['path']}", "model.family=wan"])
+        load_config("sync", [f"model.path={family['path']}", "model.family=dalle"])

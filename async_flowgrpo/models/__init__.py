@@ -10,14 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-# diffusers pipeline class -> (module, adapter class), one per family (ModelConfig.family: sd3,
-# flux, qwen_image); imported lazily so that reading a config
-# does not pull in every family's dependencies.
+# diffusers pipeline class -> (ModelConfig.family, module, adapter class), one per family; imported
+# lazily so that reading a config does not pull in every family's dependencies.
 _FAMILIES = {
-    "StableDiffusion3Pipeline": ("async_flowgrpo.models.sd3", "SD3Adapter"),
-    "FluxPipeline": ("async_flowgrpo.models.flux", "FluxAdapter"),
-    "QwenImagePipeline": ("async_flowgrpo.models.qwen_image", "QwenImageAdapter"),
+    "StableDiffusion3Pipeline": ("sd3", "async_flowgrpo.models.sd3", "SD3Adapter"),
+    "FluxPipeline": ("flux", "async_flowgrpo.models.flux", "FluxAdapter"),
+    "QwenImagePipeline": ("qwen_image", "async_flowgrpo.models.qwen_image", "QwenImageAdapter"),
+    "WanPipeline": ("wan", "async_flowgrpo.models.wan", "WanAdapter"),
 }
+FAMILIES = tuple(family for family, _, _ in _FAMILIES.values())  # the choices of model.family
 
 
 class TransformerPlacement:
@@ -83,5 +84,5 @@ def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype):
         cls_name = json.load(f).get("_class_name")
     if cls_name not in _FAMILIES:
         raise ValueError(f"model.path {path!r} holds a {cls_name}; supported: {sorted(_FAMILIES)}")
-    module, name = _FAMILIES[cls_name]
+    _, module, name = _FAMILIES[cls_name]
     return getattr(importlib.import_module(module), name).load(path, device=torch.device(device), dtype=dtype)

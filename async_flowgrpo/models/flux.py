@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from async_flowgrpo.models.base import FamilyAdapter
-from async_flowgrpo.models.common import PromptEmbeds, pack_latents, unpack_latents  # noqa: F401  (tests import them from here)
+from async_flowgrpo.models.common import PromptEmbeds
 
 
 class FluxAdapter(FamilyAdapter):
