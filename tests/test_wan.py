@@ -1,0 +1,152 @@
+"""The Wan text-to-video family on a tiny random twin of Wan2.1, built offline (models/tiny_wan.py).
+
+The twin's rollout has video shapes and finite per-step log-probs; the SDE step on 5-D latents is
+the image step frame by frame; recompute reproduces the rollout's log-probs; the adapter's ODE
+sampler reproduces WanPipeline; one Learner update moves only LoRA weights; the saved LoRA loads
+with WanPipeline.load_lora_weights and changes the video.
+"""
+
+import os
+
+import pytest
+import torch
+
+from async_flowgrpo import algo
+from async_flowgrpo.config import load_config
+from async_flowgrpo.learner import Learner
+from async_flowgrpo.models import load_adapter
+from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+from async_flowgrpo.models.wan import WanAdapter
+from async_flowgrpo.policy import DiffusionPolicy
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS = 4
+PROMPT = "a red circle moving left"
+GUIDANCE = 4.0
+FRAMES, LATENT_FRAMES = 5, 3  # the twin's VAE: 2x temporal compression, causal first frame
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory):
+    path = make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan")))
+    policy = DiffusionPolicy(path, lora_rank=4, lora_alpha=8)
+    groups = policy.generate([PROMPT], 2, num_steps=STEPS, guidance_scale=GUIDANCE, noise_level=0.7, sde_type="sde",
+                             window_size=STEPS - 1, seed=0)
+    return dict(path=path, policy=policy, groups=groups)
+
+
+def test_rollout_records_video_groups(wan):
+    policy, (g,) = wan["policy"], wan["groups"]
+    assert type(policy.adapter) is WanAdapter
+    shape = policy.adapter.latent_shape(32, 32)
+    assert shape == (16, LATENT_FRAMES, 16, 16)  # [C, F, h, w]
+    assert g.latents.shape == (2, STEPS, *shape) and g.log_probs.shape == (2, STEPS - 1)
+    assert torch.isfinite(g.log_probs).all()
+    assert g.images.shape == (2, FRAMES, 32, 32, 3) and g.images.dtype == torch.uint8  # [n, F, H, W, 3]
+    assert g.pooled_prompt_embeds.shape == (0,) and g.negative_prompt_embeds is not None
+    assert g.sigmas[0] == 1.0 and len(g.sigmas) == STEPS
+
+
+def test_lora_on_self_and_cross_attention(wan):
+    names = [n for n, _ in wan["policy"].adapter.transformer.named_modules()]
+    for attn in ("attn1", "attn2"):
+        for target in WanAdapter.lora_target_modules:
+            assert any(n.endswith(f"{attn}.{target}.lora_A") for n in names), f"no LoRA on {attn}.{target}"
+
+
+@pytest.mark.parametrize("sde_type", ["sde", "cps"])
+def test_sde_step_on_video_latents_is_the_image_step_frame_by_frame(sde_type):
+    gen = torch.Generator().manual_seed(0)
+    x, v, eps = (torch.randn(2, 4, 3, 6, 6, generator=gen) for _ in range(3))
+    step = dict(noise_level=0.7, sde_type=sde_type)
+    prev, logp, mean, std = algo.sde_step(v, x, 0.8, 0.6, noise=eps, **step)
+    frame_logps = []
+    for f in range(x.shape[2]):
+        p_f, l_f, m_f, s_f = algo.sde_step(v[:, :, f], x[:, :, f], 0.8, 0.6, noise=eps[:, :, f], **step)
+        torch.testing.assert_close(prev[:, :, f], p_f)
+        torch.testing.assert_close(mean[:, :, f], m_f)
+        torch.testing.assert_close(torch.as_tensor(std).flatten(), torch.as_tensor(s_f).flatten())
+        frame_logps.append(l_f)
+    # the log-prob is a mean over every non-batch dim: the mean of equal-sized frames' means
+    torch.testing.assert_close(logp, torch.stack(frame_logps, 1).mean(1))
+
+
+def test_recompute_reproduces_logprobs_on_every_step(wan):
+    policy, (g,) = wan["policy"], wan["groups"]
+    n = g.size
+    cond = [t.unsqueeze(0).expand(n, *t.shape) for t in
+            (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)]
+    for j in range(g.log_probs.shape[1]):
+        with torch.no_grad():
+            log_prob, *_ = policy.recompute(g.latents[:, j], g.latents[:, j + 1], g.sigmas[j].expand(n),
+                                            g.sigmas[j + 1].expand(n), *cond, guidance_scale=GUIDANCE,
+                                            noise_level=0.7, sde_type="sde")
+        assert (log_prob.cpu() - g.log_probs[:, j]).abs().max() < 1e-5, f"step {j}"
+
+
+def test_ode_sampler_matches_wan_pipeline(wan):
+    """Timestep scale, CFG, the scheduler's shift and the VAE's latent normalisation are WanPipeline's."""
+    adapter = load_adapter(wan["path"], device="cpu", dtype=torch.float32)  # without the policy's LoRA
+    pipe = adapter.pipeline
+    x0 = torch.randn((1, *adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(prompt=PROMPT, negative_prompt=adapter.negative_prompt, height=32, width=32, num_frames=FRAMES,
+                  num_inference_steps=STEPS, guidance_scale=GUIDANCE, max_sequence_length=adapter.max_sequence_length,
+                  latents=x0)
+    ref_latents = pipe(output_type="latent", **kwargs).frames
+    ref_video = pipe(output_type="pt", **kwargs).frames  # [1, F, 3, H, W] in [0, 1]
+
+    enc = adapter.encode_prompts([PROMPT], cfg=True)
+    sigmas = adapter.sigmas(STEPS)
+    x = x0
+    with torch.no_grad():
+        for i in range(STEPS):
+            v = adapter.velocity(x, sigmas[i], enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled,
+                                 guidance_scale=GUIDANCE)
+            x = algo.ode_step(v, x, sigmas[i], sigmas[i + 1])
+    torch.testing.assert_close(x, ref_latents.float(), atol=1e-4, rtol=1e-4)
+    video = adapter.decode(x).float() / 255  # [1, F, H, W, 3]
+    assert (video - ref_video.permute(0, 1, 3, 4, 2)).abs().max() <= 1.01 / 255
+
+
+def test_update_changes_only_lora_and_the_saved_lora_loads_into_wan_pipeline(wan, tmp_path):
+    from diffusers import WanPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    policy, groups = wan["policy"], wan["groups"]
+    for g in groups:
+        g.rewards = torch.tensor([0.0, 1.0])
+        g.advantages = torch.tensor([-1.0, 1.0])
+    transformer = policy.adapter.transformer
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    metrics = Learner(policy, micro_batch_size=2, clip_range=1e-2).train_step(groups, version=0)
+    assert metrics["train/skipped_nonfinite"] == 0 and metrics["samples/trained"] == 2
+    assert metrics["logp/max_abs_diff"] < 1e-5  # fresh samples: the recomputed logp is the rollout's
+    after = transformer.state_dict()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert changed and all("lora_" in k for k in changed)
+    assert any("lora_B" in k for k in changed)
+
+    # as the trainer saves LoRA weights (actors/trainer.py: the family's own pipeline format)
+    WanPipeline.save_lora_weights(str(tmp_path), transformer_lora_layers=get_peft_model_state_dict(
+        transformer, state_dict=policy.trainable_state()))
+    pipe = WanPipeline.from_pretrained(wan["path"], local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    kwargs = dict(prompt=PROMPT, height=32, width=32, num_frames=FRAMES, num_inference_steps=2, guidance_scale=1.0,
+                  max_sequence_length=8, output_type="latent")
+    base = pipe(generator=torch.Generator().manual_seed(0), **kwargs).frames
+    pipe.load_lora_weights(str(tmp_path))
+    tuned = pipe(generator=torch.Generator().manual_seed(0), **kwargs).frames
+    assert (tuned - base).abs().max() > 1e-6
+
+
+def test_num_frames_must_match_the_vae_temporal_factor(tmp_path):
+    path = make_tiny_wan_dir(str(tmp_path), num_frames=4)
+    with pytest.raises(ValueError, match="temporal factor 2"):
+        load_adapter(path, device="cpu", dtype=torch.float32)
+
+
+def test_config_accepts_the_wan_family(wan):
+    cfg = load_config("sync", [f"model.path={wan['path']}", "model.family=wan"])
+    assert cfg.model.family == "wan"
