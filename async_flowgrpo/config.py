@@ -18,9 +18,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
-from async_flowgrpo.models import FAMILIES
+from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES
 from async_flowgrpo.prompts import load_prompts
-from async_flowgrpo.rewards import available_rewards
+from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, takes_video
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
@@ -403,6 +403,10 @@ def validate(c: Config) -> None:
     _require(len(w.weights) > 0, "reward.weights", "name at least one reward")
     for name in w.weights:
         _require(name in available_rewards(), f"reward.weights.{name}", f"unknown reward (available: {', '.join(available_rewards())})")
+        video = c.model.family in VIDEO_FAMILIES
+        _require(takes_video(name) == video, f"reward.weights.{name}",
+                 f"scores {'videos' if takes_video(name) else 'images'} but model.family {c.model.family} makes "
+                 + (f"videos: use {FRAMES_PREFIX}{name} (its mean over frames) or a video reward" if video else "images"))
     for name in w.options:
         _require(name in w.weights, f"reward.options.{name}", "has no weight in reward.weights")
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")

@@ -3,7 +3,8 @@
 The twin's rollout has video shapes and finite per-step log-probs; the SDE step on 5-D latents is
 the image step frame by frame; recompute reproduces the rollout's log-probs; the adapter's ODE
 sampler reproduces WanPipeline; one Learner update moves only LoRA weights; the saved LoRA loads
-with WanPipeline.load_lora_weights and changes the video.
+with WanPipeline.load_lora_weights and changes the video. Video rewards: frames_<image reward>,
+temporal_consistency, and an image reward given videos (or the reverse) refused with the fix.
 """
 
 import os
@@ -12,12 +13,13 @@ import pytest
 import torch
 
 from async_flowgrpo import algo
-from async_flowgrpo.config import load_config
+from async_flowgrpo.config import ConfigError, load_config
 from async_flowgrpo.learner import Learner
 from async_flowgrpo.models import load_adapter
 from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
 from async_flowgrpo.models.wan import WanAdapter
 from async_flowgrpo.policy import DiffusionPolicy
+from async_flowgrpo.rewards import CombinedReward, RewardError, get_reward
 
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -147,6 +149,30 @@ def test_num_frames_must_match_the_vae_temporal_factor(tmp_path):
         load_adapter(path, device="cpu", dtype=torch.float32)
 
 
-def test_config_accepts_the_wan_family(wan):
-    cfg = load_config("sync", [f"model.path={wan['path']}", "model.family=wan"])
+def test_config_accepts_the_wan_family_with_video_rewards_only(wan):
+    path = f"model.path={wan['path']}"
+    cfg = load_config("sync", [path, "model.family=wan", "reward.weights={frames_jpeg_compressibility: 1.0}"])
     assert cfg.model.family == "wan"
+    with pytest.raises(ConfigError, match="reward.weights.jpeg_compressibility: scores images .* frames_jpeg_compressibility"):
+        load_config("sync", [path, "model.family=wan", "reward.weights={jpeg_compressibility: 1.0}"])
+    with pytest.raises(ConfigError, match="reward.weights.temporal_consistency: scores videos"):
+        load_config("sync", [path, "model.family=sd3", "reward.weights={temporal_consistency: 1.0}"])
+
+
+def test_video_rewards(wan):
+    (g,) = wan["groups"]
+    videos, prompts, meta = g.images, [PROMPT] * g.size, [{}] * g.size
+    # frames_<image reward> is the image reward's mean over each video's frames
+    per_frame = get_reward("jpeg_compressibility")(videos.flatten(0, 1), [PROMPT] * g.size * FRAMES, [{}] * g.size * FRAMES)
+    torch.testing.assert_close(get_reward("frames_jpeg_compressibility")(videos, prompts, meta),
+                               per_frame.view(g.size, FRAMES).mean(1))
+    still = videos[:, :1].expand_as(videos).clone()
+    consistency = get_reward("temporal_consistency")
+    assert torch.equal(consistency(still, prompts, meta), torch.ones(g.size))  # a still video is fully consistent
+    assert (consistency(videos, prompts, meta) < 1).all()
+    total, parts = CombinedReward({"frames_jpeg_compressibility": 1.0, "temporal_consistency": 2.0})(videos, prompts, meta)
+    torch.testing.assert_close(total, parts["frames_jpeg_compressibility"] + 2 * parts["temporal_consistency"])
+    with pytest.raises(RewardError, match="takes images .* use frames_jpeg_compressibility"):
+        CombinedReward({"jpeg_compressibility": 1.0})(videos, prompts, meta)
+    with pytest.raises(RewardError, match="takes videos"):
+        CombinedReward({"temporal_consistency": 1.0})(videos[:, 0], prompts, meta)

@@ -19,6 +19,7 @@ _FAMILIES = {
     "WanPipeline": ("wan", "async_flowgrpo.models.wan", "WanAdapter"),
 }
 FAMILIES = tuple(family for family, _, _ in _FAMILIES.values())  # the choices of model.family
+VIDEO_FAMILIES = ("wan",)  # families whose samples are videos [n, F, H, W, 3], not images
 
 
 class TransformerPlacement:

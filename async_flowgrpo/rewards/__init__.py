@@ -4,6 +4,10 @@ A reward callable takes images as a uint8 tensor [n, H, W, 3], the n prompts and
 dicts, and returns either a float tensor [n] or a dict with key "score" (tensor [n]) plus named
 components (logged as reward/<component>). Built-ins are registered lazily by "module:attribute"
 so that importing the registry never imports a heavy reward model.
+
+Video rewards (registered with video=True) take videos [n, F, H, W, 3] instead; every image
+reward <name> also serves videos as `frames_<name>`, its mean over frames. A reward given the
+other kind fails with a message that says which to use.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "remote": "async_flowgrpo.rewards.remote:remote",
     "ocr": "async_flowgrpo.rewards.remote:ocr",
     "geneval": "async_flowgrpo.rewards.remote:geneval",
+    "temporal_consistency": "async_flowgrpo.rewards.video:temporal_consistency",
 }
+_VIDEO_REWARDS = {"temporal_consistency"}  # names whose callables take videos [n, F, H, W, 3]
+FRAMES_PREFIX = "frames_"  # frames_<image reward>: that reward averaged over a video's frames
 
 
 class RewardError(RuntimeError):
@@ -40,22 +47,36 @@ class RewardError(RuntimeError):
         self.name = name
 
 
-def register_reward(name: str, fn: RewardFn | None = None):
-    """Register `fn` under `name` (usable as a decorator)."""
+def register_reward(name: str, fn: RewardFn | None = None, *, video: bool = False):
+    """Register `fn` under `name` (usable as a decorator); video=True: it takes videos [n, F, H, W, 3]."""
 
     def add(f: RewardFn) -> RewardFn:
         _REGISTRY[name] = f
+        if video:
+            _VIDEO_REWARDS.add(name)
+        else:
+            _VIDEO_REWARDS.discard(name)
         return f
 
     return add(fn) if fn is not None else add
 
 
 def available_rewards() -> list[str]:
-    return sorted(_REGISTRY)
+    frames = [FRAMES_PREFIX + name for name in _REGISTRY if name not in _VIDEO_REWARDS]
+    return sorted([*_REGISTRY, *frames])
+
+
+def takes_video(name: str) -> bool:
+    """Whether the reward `name` scores videos [n, F, H, W, 3] (else images [n, H, W, 3])."""
+    return name in _VIDEO_REWARDS or (name.startswith(FRAMES_PREFIX) and name not in _REGISTRY)
 
 
 def get_reward(name: str, **options) -> RewardFn:
     """The reward registered as `name`, with keyword `options` bound (e.g. a local model path)."""
+    if name not in _REGISTRY and name in available_rewards():  # frames_<image reward>
+        from async_flowgrpo.rewards.video import frame_average
+
+        return frame_average(get_reward(name.removeprefix(FRAMES_PREFIX), **options))
     if name not in _REGISTRY:
         raise KeyError(f"unknown reward '{name}' (available: {', '.join(available_rewards())})")
     entry = _REGISTRY[name]
@@ -89,7 +110,13 @@ class CombinedReward:
         n = images.shape[0]
         total = torch.zeros(n, dtype=torch.float32)
         components: dict[str, torch.Tensor] = {}
+        video = images.dim() == 5
         for name, fn in self.fns.items():
+            if video and not takes_video(name):
+                raise RewardError(name, f"takes images [n, H, W, 3], got videos {list(images.shape)}; use "
+                                        f"{FRAMES_PREFIX}{name} (its mean over frames) or a video reward")
+            if not video and takes_video(name):
+                raise RewardError(name, f"takes videos [n, F, H, W, 3], got images {list(images.shape)}")
             try:
                 out = fn(images, prompts, metadata)
             except Exception as e:  # surfaced with the reward's name; the caller skips and counts
