@@ -209,6 +209,9 @@ def _fit_caption(draw: ImageDraw.ImageDraw, font: Any, text: str, width: int, ma
     return lines
 
 
+GIF_FRAME_MS = 125  # 8 frames per second in saved sample GIFs
+
+
 def make_grid(
     images: torch.Tensor | np.ndarray,
     nrow: Optional[int] = None,
@@ -377,9 +380,20 @@ class RunLogger:
         captions: Optional[Sequence[str]] = None,
         nrow: Optional[int] = None,
     ) -> str:
-        """Save `samples/{name}_step{step:05d}.png` (a `make_grid`) and log it to wandb; return the path."""
-        grid = make_grid(images, nrow=nrow, captions=captions)
+        """Save `samples/{name}_step{step:05d}.png` (a `make_grid`) and log it to wandb; return the path.
+
+        Videos [N, F, H, W, 3] (a video family's samples): the PNG is a frame grid, one video per
+        row, and `samples/{name}_step{step:05d}.gif` animates the grid of the N videos frame by frame."""
         path = os.path.join(self.samples_dir, f"{name}_step{int(step):05d}.png")
+        arr = images.detach().cpu().numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
+        if arr.ndim == 5:
+            n, f = arr.shape[:2]
+            frames = [make_grid(arr[:, i], nrow=nrow, captions=captions) for i in range(f)]
+            frames[0].save(path[:-4] + ".gif", save_all=True, append_images=frames[1:], duration=GIF_FRAME_MS, loop=0)
+            row_captions = None if captions is None else [c if i == 0 else "" for c in captions for i in range(f)]
+            grid = make_grid(arr.reshape(n * f, *arr.shape[2:]), nrow=f, captions=row_captions)
+        else:
+            grid = make_grid(arr, nrow=nrow, captions=captions)
         grid.save(path)
         if self._wandb is not None:
             caption = " | ".join(captions) if captions else None

@@ -86,6 +86,24 @@ def test_metrics_jsonl_lines_nan_null_and_append_on_reopen(config, tmp_path):
     assert keys == sorted(keys)
 
 
+def test_log_images_of_videos_writes_a_gif_and_a_frame_grid(config, tmp_path):
+    out = str(tmp_path / "run")
+    videos = torch.zeros(2, 3, 32, 32, 3, dtype=torch.uint8)  # [N, F, H, W, 3]
+    for f in range(3):
+        videos[:, f, :, :, 1] = 80 * (f + 1)  # each frame its own green level
+    with RunLogger(out, config, total_steps=1, progress=False) as logger:
+        path = logger.log_images(3, "rollout", videos, captions=["a red circle", "a blue square"])
+    gif = Image.open(os.path.join(out, "samples", "rollout_step00003.gif"))
+    assert gif.n_frames == 3
+    for f in range(3):  # frame f of the GIF is the grid of the videos' frame f
+        gif.seek(f)
+        assert np.asarray(gif.convert("RGB"))[10, 10, 1] == 80 * (f + 1)
+    grid = Image.open(path)  # one video per row, its frames left to right, each caption under the first frame
+    assert grid.width == 3 * 128 + 4 * 2
+    px = np.asarray(grid)
+    assert [px[10, 2 + f * 130 + 10, 1] for f in range(3)] == [80, 160, 240]
+
+
 def test_log_images_writes_upscaled_grid(config, tmp_path):
     out = str(tmp_path / "run")
     images = torch.zeros(5, 32, 32, 3, dtype=torch.uint8)
