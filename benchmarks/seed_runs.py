@@ -133,8 +133,9 @@ def table(summary: dict) -> str:
     for r in summary["runs"]:
         curve = " -> ".join(f"{v:.3f}" for v in r["eval_accuracy"].values())
         curve += "".join(f"; CFG {g}: {v:.3f}" for g, v in r["final_at_cfg"].items())
+        wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f} s"
         lines.append(f"| {r['seed']} | {curve} | {r['rise']:+.3f} | {r['reward_first_quarter']:.3f} -> "
-                     f"{r['reward_last_quarter']:.3f} | {r['wall_s']:.0f} s |")
+                     f"{r['reward_last_quarter']:.3f} | {wall} |")
     lines.append(f"| mean (n={summary['n']}) | | **{summary['rise_mean']:+.3f}** (SE {summary['rise_se']:.3f}, "
                  f"worst {summary['rise_worst']:+.3f}) | last quarter above first in "
                  f"{summary['reward_quarters_rising']}/{summary['n']} | |")
