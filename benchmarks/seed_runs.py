@@ -77,6 +77,8 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
         raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
     final_at = {str(g): evaluate_final(out, args, g, env) for g in other_cfg}
     shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # weights: MBs per run, not needed
+    if os.path.exists(os.path.join(out, ".lock")):
+        os.remove(os.path.join(out, ".lock"))
     grids = sorted(f for f in os.listdir(os.path.join(out, "samples")) if f.startswith("eval_"))
     for f in os.listdir(os.path.join(out, "samples")):
         if f not in (grids[:1] + grids[-1:]):
