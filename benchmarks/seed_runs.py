@@ -121,7 +121,10 @@ def summarize(name: str) -> dict:
     n = len(rises)
     mean = sum(rises) / n
     se = math.sqrt(sum((x - mean) ** 2 for x in rises) / (n - 1) / n) if n > 1 else math.nan
-    summary = {"name": name, "runs": runs, "n": n, "rise_mean": round(mean, 4), "rise_se": round(se, 4),
+    from omegaconf import OmegaConf
+
+    eval_cfg = OmegaConf.load(os.path.join(base, f"seed{runs[0]['seed']}", "config.yaml")).eval.guidance_scale
+    summary = {"name": name, "eval_guidance_scale": eval_cfg, "runs": runs, "n": n, "rise_mean": round(mean, 4), "rise_se": round(se, 4),
                "rise_worst": min(rises), "reward_quarters_rising": sum(r["reward_last_quarter"] > r["reward_first_quarter"] for r in runs)}
     with open(os.path.join(base, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -129,7 +132,8 @@ def summarize(name: str) -> dict:
 
 
 def table(summary: dict) -> str:
-    lines = [f"{summary['name']}: `{summary['runs'][0]['command']}` (seed varies)", "",
+    lines = [f"{summary['name']}: `{summary['runs'][0]['command']}` (seed varies; evaluated at CFG "
+             f"{summary['eval_guidance_scale']:g})", "",
              "| seed | held-out eval/accuracy by step | rise (last - step 0) | training reward, first -> last quarter | wall |",
              "| --- | --- | --- | --- | --- |"]
     for r in summary["runs"]:
@@ -158,7 +162,7 @@ def plot(summaries: list[dict], path: str) -> None:
             ax.plot(steps, list(r["eval_accuracy"].values()), color=color, alpha=0.35, lw=1)
         steps = sorted({int(x) for r in s["runs"] for x in r["eval_accuracy"]})
         mean = [sum(r["eval_accuracy"].get(st, r["eval_accuracy"].get(str(st), math.nan)) for r in s["runs"]) / s["n"] for st in steps]
-        ax.plot(steps, mean, color=color, lw=2.5, label=f"{s['name']} (mean of {s['n']})")
+        ax.plot(steps, mean, color=color, lw=2.5, label=f"{s['name']} (eval CFG {s['eval_guidance_scale']:g}; mean of {s['n']})")
     ax.set_xlabel("trainer step")
     ax.set_ylabel("held-out accuracy")
     ax.grid(alpha=0.3)
