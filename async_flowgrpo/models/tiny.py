@@ -49,6 +49,23 @@ def build_t5_tokenizer(vocab: tuple[str, ...], max_length: int) -> PreTrainedTok
     )
 
 
+def t5_config(vocab_size: int, hidden: int) -> dict:
+    """A one-layer T5 encoder's config (T5Config or UMT5Config keywords) for `build_t5_tokenizer`'s ids."""
+    return dict(
+        vocab_size=vocab_size,
+        d_model=hidden,
+        d_kv=hidden // 4,
+        d_ff=2 * hidden,
+        num_layers=1,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=3,
+        decoder_start_token_id=0,
+    )
+
+
 def tiny_autoencoder_kl(channels: tuple[int, ...], latent_channels: int, resolution: int, **kwargs):
     """A small AutoencoderKL: len(channels) blocks, latents at resolution / 2 ** (len(channels) - 1)."""
     from diffusers import AutoencoderKL

@@ -15,7 +15,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from async_flowgrpo.models.tiny import build_t5_tokenizer, build_tokenizer, save_tiny, tiny_autoencoder_kl
+from async_flowgrpo.models.tiny import build_t5_tokenizer, build_tokenizer, save_tiny, t5_config, tiny_autoencoder_kl
 
 DEFAULT_VOCAB = ("a", "red", "blue", "green", "circle", "square", "triangle")
 
@@ -57,21 +57,7 @@ def build_tiny_flux(spec: TinyFluxSpec) -> FluxPipeline:
             eos_token_id=3,
         )
     )
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=spec.t5_hidden,
-            d_kv=spec.t5_hidden // 4,
-            d_ff=2 * spec.t5_hidden,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=0,
-            eos_token_id=3,
-            decoder_start_token_id=0,
-        )
-    )
+    t5 = T5EncoderModel(T5Config(**t5_config(len(tokenizer_2), spec.t5_hidden)))
     transformer = FluxTransformer2DModel(
         patch_size=1,
         in_channels=4 * spec.latent_channels,

@@ -15,7 +15,7 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
 from transformers import UMT5Config, UMT5EncoderModel
 
-from async_flowgrpo.models.tiny import build_t5_tokenizer, save_tiny
+from async_flowgrpo.models.tiny import build_t5_tokenizer, save_tiny, t5_config
 
 DEFAULT_VOCAB = ("a", "red", "blue", "green", "circle", "square", "triangle", "moving", "left", "right")
 
@@ -39,21 +39,7 @@ class TinyWanSpec:
 def build_tiny_wan(spec: TinyWanSpec) -> WanPipeline:
     torch.manual_seed(spec.seed)
     tokenizer = build_t5_tokenizer(spec.vocab, spec.max_sequence_length)
-    text_encoder = UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tokenizer),
-            d_model=spec.text_hidden,
-            d_kv=spec.text_hidden // 4,
-            d_ff=2 * spec.text_hidden,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            feed_forward_proj="gated-gelu",
-            pad_token_id=0,
-            eos_token_id=3,
-            decoder_start_token_id=0,
-        )
-    )
+    text_encoder = UMT5EncoderModel(UMT5Config(**t5_config(len(tokenizer), spec.text_hidden)))
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=spec.heads,
