@@ -126,6 +126,7 @@ class Learner:
         self.lr_schedule = lr_schedule or (lambda step: 1.0)
         self.steps = 0  # train_step calls: the lr schedule's clock
         self._cond_cache: tuple[tuple[int, ...], list[Tensor | None]] | None = None
+        self._sharded = any(isinstance(p, DTensor) for p in self.params)
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: Flow-GRPO's policy is the trained one."""
@@ -238,7 +239,8 @@ class Learner:
             mb_ratios, mb_weights, mb_log_w = [], [], []
             first_half, seen = None, set()
             for sel, j in self._micro_steps(samples, mini):
-                if first_half is None and j == 0 and 2 * len(seen) >= len(mini):
+                # (sharded: each rank holds a slice of every gradient, so no cosine of whole ones)
+                if first_half is None and j == 0 and 2 * len(seen) >= len(mini) and not self._sharded:
                     first_half = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
                 seen.update(sel)
                 log_prob, kl = self._forward(samples, sel, j, sampling, with_ref=self.beta > 0)
