@@ -9,10 +9,15 @@ a checkpoint, prints one line and exits 128 + signal (143 for SIGTERM, 130 for S
 A second signal abandons at once, without a checkpoint: the previous one stays the latest. Once
 the driver is closing (actors and Ray being shut down) signals are noted and nothing more: leaving
 then would leave Ray's processes behind.
+
+A signal sent to every process of the run (SLURM, systemd) stops the trainers and Ray's own
+processes with the driver: nothing of the current step can be saved then, so the driver leaves at
+once (`ray_lost`), naming the last checkpoint, rather than wait on a Ray that is gone.
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
 import threading
 from contextlib import contextmanager
@@ -42,12 +47,17 @@ def as_stop(error: BaseException) -> StopRequested | None:
 
 class Stopped(Exception):
     """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists;
-    ``resumable``: some checkpoint exists (a second signal may have left none)."""
+    ``last``: the newest checkpoint's name (None: there is none: a second signal, or Ray lost,
+    before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved."""
 
-    def __init__(self, signum: int, step: int, saved: bool, resumable: bool):
+    def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False):
         super().__init__(f"stopped at step {step}")
-        self.signum, self.step, self.saved, self.resumable = signum, step, saved, resumable
+        self.signum, self.step, self.saved, self.last, self.ray_lost = signum, step, saved, last, ray_lost
         self.exit_code = 128 + signum
+
+    @property
+    def resumable(self) -> bool:
+        return self.last is not None
 
 
 class GracefulStop:
@@ -55,6 +65,7 @@ class GracefulStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
+        self.ray_lost = False  # Ray's processes died under the driver (see lose_ray)
         self._abandonable = 0
         self._closing = False
         self._previous: dict[int, object] = {}
@@ -81,15 +92,27 @@ class GracefulStop:
         if self._closing:
             self.signum = self.signum or signum
             return
-        if self.signum is not None:
-            raise StopRequested(self.signum, force=True)  # asked twice: leave now
+        if self.signum is not None or self.ray_lost:
+            raise StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save: leave now
         self.signum = signum
         if self._abandonable:
             raise StopRequested(signum)
 
+    def lose_ray(self) -> None:
+        """Ray's processes are gone (called by a watcher thread). After a signal, the driver leaves at
+        once, without a checkpoint: a call to a dead Ray would wait 60 s for it, then exit 1. (Without a
+        signal, the run's own error handling reports the dead actors.)"""
+        self.ray_lost = True
+        if self.signum is not None and not self._closing:
+            _thread.interrupt_main(self.signum)  # runs the handler on the main thread, as a signal does
+
     def close(self) -> None:
         """The driver is shutting down: from now on a signal is noted, never raised."""
         self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
 
     @property
     def requested(self) -> bool:

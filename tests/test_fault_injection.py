@@ -111,9 +111,10 @@ def alive(processes: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str]]:
 
 # -- a launcher run ----------------------------------------------------------------------------------
 class Launch:
-    """`launch/<mode>.py` as a subprocess with a private RAY_TMPDIR; stderr goes to a file (a pipe
-    could fill while the test waits). Remembers every process it started, to check that none
-    outlives it and to clean up after a failed test."""
+    """`launch/<mode>.py` as a subprocess with a private RAY_TMPDIR, in a session (and process group)
+    of its own, as a scheduler starts a job: a signal to its group reaches nothing else. stderr goes
+    to a file (a pipe could fill while the test waits). Remembers every process it started, to check
+    that none outlives it and to clean up after a failed test."""
 
     def __init__(self, mode: str, args: list[str], output_dir: str, context: str):
         self.mode, self.args, self.output_dir, self.context = mode, args, output_dir, context
@@ -122,7 +123,7 @@ class Launch:
         self.launcher = os.path.join(REPO, "launch", f"{mode}.py")
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen([sys.executable, self.launcher, *args], stdout=subprocess.DEVNULL, stderr=err,
-                                         env={**ENV, "RAY_TMPDIR": self.ray_tmp}, cwd=REPO)
+                                         env={**ENV, "RAY_TMPDIR": self.ray_tmp}, cwd=REPO, start_new_session=True)
         self.t0 = time.monotonic()
         self.seen: dict[int, tuple[str, str]] = {}  # every process under the launcher, ever
         self._scanned = 0.0

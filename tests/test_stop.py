@@ -61,8 +61,8 @@ def test_once_closing_a_signal_is_noted_and_never_raised():
 
 
 def test_exit_codes_follow_the_shell_convention():
-    assert Stopped(signal.SIGTERM, 3, True, True).exit_code == 143
-    assert Stopped(signal.SIGINT, 3, True, True).exit_code == 130
+    assert Stopped(signal.SIGTERM, 3, True, "step_000003").exit_code == 143
+    assert Stopped(signal.SIGINT, 3, True, "step_000003").exit_code == 130
 
 
 def test_the_stop_line_says_how_to_go_on():
@@ -70,12 +70,41 @@ def test_the_stop_line_says_how_to_go_on():
     from async_flowgrpo.cli import stop_line
 
     argv = ["trainer.output_dir=/tmp/x", "trainer.resume=latest"]
-    assert stop_line(Stopped(signal.SIGTERM, 4, saved=True, resumable=True), argv).startswith("stopped at step 4; resume with: ")
-    previous = stop_line(Stopped(signal.SIGTERM, 4, saved=False, resumable=True), argv)
+    last = "/tmp/x/checkpoints/step_000002"
+    assert stop_line(Stopped(signal.SIGTERM, 4, saved=True, last=last), argv).startswith("stopped at step 4; resume with: ")
+    previous = stop_line(Stopped(signal.SIGTERM, 4, saved=False, last=last), argv)
     assert "previous checkpoint is the latest" in previous and previous.endswith("trainer.output_dir=/tmp/x trainer.resume=latest")
-    none = stop_line(Stopped(signal.SIGINT, 0, saved=False, resumable=False), argv)
+    none = stop_line(Stopped(signal.SIGINT, 0, saved=False, last=None), argv)
     assert "none to resume" in none and "start again with: " in none
     assert none.endswith("trainer.output_dir=/tmp/x trainer.overwrite=true") and "resume=" not in none
+    # the signal reached the trainers too (sent to every process of the run): the line names what resume takes
+    lost = stop_line(Stopped(signal.SIGTERM, 5, saved=False, last=last, ray_lost=True), argv)
+    assert f"stopped Ray's processes too); the last checkpoint is {last}; resume with: " in lost
+    lost_none = stop_line(Stopped(signal.SIGTERM, 1, saved=False, last=None, ray_lost=True), argv)
+    assert "none to resume" in lost_none and lost_none.endswith("trainer.overwrite=true")
+
+
+def test_ray_lost_after_a_signal_interrupts_the_main_thread_to_leave_at_once():
+    """A watcher thread reports Ray gone; after a signal the main thread leaves wherever it waits
+    (a call to a dead Ray would hang); before one, nothing happens (the run's errors report it)."""
+    import threading
+    import time
+
+    stop = GracefulStop().install()
+    try:
+        stop.request(signal.SIGTERM)  # noted, as during a trainer update
+        with pytest.raises(StopRequested) as err:
+            threading.Thread(target=stop.lose_ray).start()
+            time.sleep(10)  # stands for a ray.get on a dead actor
+        assert err.value.force and stop.ray_lost
+    finally:
+        stop.uninstall()
+    quiet = GracefulStop()
+    quiet.lose_ray()
+    assert quiet.ray_lost and not quiet.requested
+    with pytest.raises(StopRequested) as err:  # a signal now leaves at once: nothing is left to save
+        quiet.request(signal.SIGTERM)
+    assert err.value.force
 
 
 def test_install_handles_a_real_signal_and_uninstall_restores():

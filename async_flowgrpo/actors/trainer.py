@@ -76,6 +76,10 @@ class TrainerActor:
     def ready(self) -> bool:
         return True
 
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        return os.getpid()
+
     # -- training ----------------------------------------------------------------------------
     def train_step(self, shard: list[tuple[list, torch.Tensor]], version: int) -> dict[str, float]:
         """shard: ([object ref of a Group], its advantages) per group; the refs are wrapped in a list

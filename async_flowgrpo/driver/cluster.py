@@ -24,6 +24,7 @@ from async_flowgrpo.actors.rollout import RolloutActor
 from async_flowgrpo.actors.trainer import TrainerActor
 from async_flowgrpo.config import Config
 from async_flowgrpo.rewards.pool import make_reward_pool
+from async_flowgrpo.stop import GracefulStop, StopRequested
 from async_flowgrpo.sync import free_port, make_transport, node_ip
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ def init_ray(cfg: Config) -> None:
             # A Ray started here inherits this process's environment. Without a runtime_env the actors
             # can take the worker processes Ray starts ahead (a runtime_env makes it start new ones).
             os.environ.update(env_vars)
+            # ray.shutdown waits this long to send task events (observability only) to a GCS that a
+            # signal may have stopped (default 5 s)
+            os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "1000")
             ray.init(
                 num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                 num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
@@ -115,6 +119,32 @@ def _end_keeper() -> None:
         _keeper.stdin.close()
         _keeper.wait(timeout=30)
         _keeper = None
+
+
+def ray_started_here() -> bool:
+    return _keeper is not None and ray.is_initialized()
+
+
+def local_ray_lost() -> bool:
+    """Whether the GCS or the raylet of a Ray this process started has exited (a joined cluster:
+    False, it is not ours to watch). Every call to Ray would then wait 60 s for the GCS and exit 1."""
+    node = ray._private.worker._global_node
+    if not ray_started_here() or node is None:
+        return False
+    from ray._private import ray_constants
+
+    return any(info.process.poll() is not None
+               for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET)
+               for info in node.all_processes.get(kind, []))
+
+
+def _running(pid: int) -> bool:
+    """(A zombie counts as running: its parent, the raylet or init, reaps it within moments.)"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def shutdown_ray() -> None:
@@ -179,10 +209,11 @@ class Cluster:
     failed start-up shuts down what it started.
 
     `rollout_actor` / `trainer_actor`: the actor classes (benchmarks/scale_sim.py passes stand-ins
-    with set costs, to measure the driver alone)."""
+    with set costs, to measure the driver alone). `stop`: the run's signal handling (after a signal,
+    a dead actor is not waited for)."""
 
-    def __init__(self, cfg: Config, rollout_actor=RolloutActor, trainer_actor=TrainerActor):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, rollout_actor=RolloutActor, trainer_actor=TrainerActor, stop: GracefulStop | None = None):
+        self.cfg, self.stop = cfg, stop
         self.rollout_actor, self.trainer_actor = rollout_actor, trainer_actor
         init_ray(cfg)
         check_resources(cfg)
@@ -194,6 +225,7 @@ class Cluster:
         self.bundles += [_bundle(t.cpus_per_worker, t.gpus_per_worker)] * t.num_workers
         self.trainers, self.rollouts, self.reward_actors = [], [], []
         self.rollout_pids: list[int] = []
+        self.trainer_pids: list[int] = []
         self.restarts = 0  # rollout actors Ray restarted
         self._last_stats: dict[int, dict] = {}  # rollout actor -> its last counters (see rollout_stats)
         self.placement = placement_group(self.bundles, strategy="PACK")
@@ -220,6 +252,12 @@ class Cluster:
         ]
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
         self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=cfg.ray.call_timeout_s)
+        self.trainer_pids = ray.get([a.pid.remote() for a in self.trainers], timeout=cfg.ray.call_timeout_s)
+
+    def trainers_gone(self) -> bool:
+        """Whether a trainer's process has exited (a Ray started here, whose actors run on this
+        machine; a joined cluster: False). Seen at once, where Ray takes seconds to report it."""
+        return ray_started_here() and any(not _running(pid) for pid in self.trainer_pids)
 
     def _placed(self, bundle_index: int, role) -> dict:
         return {
@@ -232,6 +270,10 @@ class Cluster:
     def wait_restarted(self, index: int) -> None:
         """Wait until rollout actor `index` answers; count a restart if its process is new (whichever
         of the generation loop or a weight sync noticed the death first)."""
+        if self.stop is not None and self.stop.requested:
+            # After a signal the stop goes ahead: the actor was most likely sent it too (SLURM and
+            # systemd signal every process of the run), and the checkpoint needs only the trainers.
+            raise StopRequested(self.stop.signum)
         pid = self._wait_alive(self.rollouts[index])
         if pid != self.rollout_pids[index]:
             self.restarts += 1
@@ -278,7 +320,13 @@ class Cluster:
         idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=self.cfg.ray.call_timeout_s)
         return sum(idle) / len(idle)
 
-    def shutdown(self) -> None:
+    def shutdown(self, ray_lost: bool = False) -> None:
+        """ray_lost: the signal that stops the run reached Ray's processes too. A Ray started here
+        is then left to ray.shutdown, which ends it all: its GCS may be on its way out, and a call
+        to it would wait 60 s for it, then exit 1."""
+        if ray_lost and ray_started_here():
+            _end_keeper()  # what the signal left of it goes at once (its GCS would take 20 s)
+            return
         for actor in self.rollouts + self.trainers + self.reward_actors:
             ray.kill(actor)
         remove_placement_group(self.placement)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,10 +31,10 @@ from async_flowgrpo.actors.rollout import WeightsNotReceived
 from async_flowgrpo.checkpoint import Checkpointer, CheckpointError
 from async_flowgrpo.config import Config
 from async_flowgrpo.driver.batch import Batch, make_batch
-from async_flowgrpo.driver.cluster import Cluster, RunError
+from async_flowgrpo.driver.cluster import Cluster, RunError, local_ray_lost
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
-from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, as_stop
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested, as_stop
 from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
@@ -204,7 +205,8 @@ class Run:
         self.log: RunLogger | None = None
         self.cluster: Cluster | None = None
         try:
-            self.cluster = Cluster(cfg, **(actor_classes or {}))
+            self.cluster = Cluster(cfg, **(actor_classes or {}), stop=self.stop)
+            threading.Thread(target=self._watch_ray, name="ray-watch", daemon=True).start()
             # once Ray is up, before the actors load their models (fully_async's queue actor starts here)
             self.started_early = start_early() if start_early else None
             with self.stop.abandonable():  # a signal during start-up: nothing to save yet
@@ -417,6 +419,15 @@ class Run:
         return state
 
     # -- lifetime ------------------------------------------------------------------------------
+    def _watch_ray(self) -> None:
+        """Tell the stop handling when a Ray this process started dies under it: a signal sent to every
+        process of the run (SLURM, systemd) stops the trainers, the GCS and the raylet with the driver."""
+        while not self.stop.closing:
+            if local_ray_lost() or (self.stop.requested and self.cluster.trainers_gone()):
+                self.stop.lose_ray()
+                return
+            time.sleep(0.5)
+
     def on_exit(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Register `fn` to run when the run ends, however it ends: after the last checkpoint (a
         stop's too), before the actors are shut down. Usable as a decorator."""
@@ -430,6 +441,9 @@ class Run:
         """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
         line; always shut down."""
         stop = as_stop(exc) if exc is not None else None
+        if stop is None and self.stop.requested and isinstance(exc, ray.exceptions.RayError):
+            # an actor failed after a signal: the signal reached it too (sent to every process of the run)
+            stop, self.stop.ray_lost = StopRequested(self.stop.signum, force=True), True
         try:
             if stop is not None:
                 # Raised only between steps or while waiting for rollouts (a second signal: anywhere).
@@ -438,11 +452,15 @@ class Run:
                     try:
                         self.save_checkpoint(at_stop=True)
                     except BaseException as e:
-                        if as_stop(e) is None:
+                        if as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
                             raise
-                        # asked again while saving: the save is abandoned, the previous checkpoint stays the latest
+                        # asked again while saving, or the trainers went with the signal: the save is
+                        # abandoned, the previous checkpoint stays the latest
+                        self.stop.ray_lost |= as_stop(e) is None
+                last = self.checkpointer.latest_name()
                 raise Stopped(stop.signum, self.step, saved=self.saved_step == self.step,
-                              resumable=self.checkpointer.latest_name() is not None) from None
+                              last=os.path.join(self.checkpointer.root, last) if last else None,
+                              ray_lost=self.stop.ray_lost) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
                 last = self.checkpointer.latest_name()
                 raise RunError(
@@ -456,7 +474,7 @@ class Run:
                 raise RunError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
         finally:
             self.stop.close()
-            for fn in self._on_exit:
+            for fn in self._on_exit if not self.stop.ray_lost else ():  # (they would wait on the dead actors)
                 try:
                     fn()
                 except Exception as e:  # the actors are shut down next anyway; keep the run's own error
@@ -466,7 +484,7 @@ class Run:
     def shutdown(self) -> None:
         self.stop.close()  # a signal now would leave actors behind
         if self.cluster is not None:
-            self.cluster.shutdown()
+            self.cluster.shutdown(ray_lost=self.stop.ray_lost)
         if self.log is not None:
             self.log.close()
         self.stop.uninstall()

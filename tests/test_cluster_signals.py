@@ -1,0 +1,145 @@
+"""Stopped the way clusters stop a job, end to end through the launcher (issue 31):
+
+- SIGTERM to the launcher's whole process group (`timeout`, SLURM's scancel, systemd): a graceful
+  stop with a checkpoint of the current step, since Ray's processes are kept out of the group;
+- SIGTERM to every process of the run by pid (SLURM, systemd's control-group stop): the trainers
+  go too, so one line names the last checkpoint;
+- the driver killed outright (SIGKILL, the OOM killer): no Ray process lingers.
+
+Each ends with exit 143 (or -9) within 30 s, one line, no Ray process left, and
+`trainer.resume=latest` continuing from the checkpoint with exact step and sample counts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+
+import test_launcher
+from test_fault_injection import Launch, alive, assert_counters, checkpoint_state, last_per_step, unexpected_stderr
+from test_launcher import ray_processes, small_args
+
+prompt_file = test_launcher.prompt_file  # the fixture: four shape prompts
+
+MODE = "fully_async"
+TOTAL = 40  # far more steps than the run gets to before the signal
+GRACE_S = 30  # a scheduler's grace period between SIGTERM and SIGKILL
+
+
+def start(tiny_model_dir, prompt_file, tmp_path, what: str) -> tuple[Launch, list[str]]:
+    out = str(tmp_path / "run")
+    # (warmup_steps=0: a resume to a few steps past the stop must stay a valid config)
+    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2",
+                      "trainer.warmup_steps=0")
+    run = Launch(MODE, args, out, what)
+    assert run.wait_rows(3), run.why("the run ended before its third step")
+    run.scan(force=True)
+    return run, args
+
+
+def stopped_within_grace(run: Launch, t_signal: float) -> tuple[int, str]:
+    code, err = run.finish(timeout=GRACE_S + 60)
+    took = time.monotonic() - t_signal
+    print(f"{run.context}: exit {code} after {took:.1f} s")
+    assert took <= GRACE_S, run.why(f"took {took:.1f} s to stop")
+    junk = unexpected_stderr(err, MODE)
+    assert not junk and "Traceback" not in err, run.why(f"more than one line: {junk[:5]}")
+    return code, err
+
+
+def resume_continues(run: Launch, args: list[str]) -> None:
+    """trainer.resume=latest continues from the newest checkpoint: steps k+1.., 4 samples a step."""
+    path, state = checkpoint_state(run.output_dir)
+    assert state is not None, run.why("no checkpoint to resume")
+    k = state["step"]
+    assert state["version"] == k and os.path.basename(path) == f"step_{k:06d}", run.why(f"{path}: step {k}")
+    rows = [r for r in run.rows(complete_only=False) if r["step"] >= 1]
+    target = max(k, len(rows)) + 2
+    again = [a for a in args if not a.startswith("trainer.total_steps=")] + [f"trainer.total_steps={target}", "trainer.resume=latest"]
+    resumed = Launch(MODE, again, run.output_dir, f"{run.context}; resumed from step {k}")
+    try:
+        code, err = resumed.finish(timeout=400)
+        assert code == 0, resumed.why("the resumed run failed")
+        assert f"resumed from {path} at step {k}" in err, resumed.why(f"did not resume from {path}")
+        all_rows = [r for r in resumed.rows(complete_only=False) if r["step"] >= 1]
+        new = [r["step"] for r in all_rows[len(rows):]]
+        assert new == list(range(k + 1, target + 1)), resumed.why(f"resumed steps {new}, expected {k + 1}..{target}")
+        final = last_per_step(all_rows)
+        assert [r["step"] for r in final] == list(range(1, target + 1)), resumed.why(f"steps {[r['step'] for r in final]}")
+        assert_counters(resumed, final, final[-1:], killed_rollout=False)
+        _, end = checkpoint_state(run.output_dir)
+        assert end["step"] == end["version"] == target and end["consumed_samples"] == final[-1]["samples/consumed"], \
+            resumed.why(f"final checkpoint: step {end['step']}, consumed {end['consumed_samples']}")
+        assert not resumed.leftovers(), resumed.why("Ray processes outlived the resumed launcher")
+    finally:
+        resumed.cleanup()
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_to_the_process_group_stops_with_a_checkpoint_of_the_current_step(tiny_model_dir, prompt_file, tmp_path):
+    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGTERM to the process group")
+    try:
+        t_signal = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGTERM)  # the launcher leads its own group (Launch: a new session)
+        code, err = stopped_within_grace(run, t_signal)
+        stopped = [line for line in err.splitlines() if line.startswith("stopped")]
+        assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
+        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", stopped[0])
+        assert m, run.why(f"not a stop with a checkpoint of its step: {stopped[0]!r}")
+        path, state = checkpoint_state(run.output_dir)
+        n = int(m.group(1))
+        assert state["step"] == state["version"] == n and os.path.basename(path) == f"step_{n:06d}", run.why(path)
+        assert [r["step"] for r in run.rows(complete_only=False)] == list(range(1, n + 1)), run.why("rows")
+        assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
+        resume_continues(run, args)
+    finally:
+        run.cleanup()
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_to_every_process_names_the_last_checkpoint(tiny_model_dir, prompt_file, tmp_path):
+    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGTERM to every process by pid")
+    try:
+        every = [run.proc.pid, *alive(run.seen), *ray_processes(run.ray_tmp)]
+        t_signal = time.monotonic()
+        for pid in dict.fromkeys(every):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        code, err = stopped_within_grace(run, t_signal)
+        stopped = [line for line in err.splitlines() if line.startswith("stopped")]
+        assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
+        path, state = checkpoint_state(run.output_dir)
+        m = re.match(r"stopped at step (\d+)(?: without a checkpoint of it \(the signal stopped Ray's processes too\); "
+                     r"the last checkpoint is (\S+))?; resume with: .* trainer\.resume=latest$", stopped[0])
+        assert m, run.why(f"unexpected stop line {stopped[0]!r}")
+        n = int(m.group(1))
+        if m.group(2):  # the trainers went with the signal: the line names the checkpoint that resume takes
+            assert m.group(2) == path and state["step"] < n, run.why(f"the line names {m.group(2)}, latest is {path}")
+        else:  # the driver saved before the trainers went (or its periodic checkpoint was of this step)
+            assert state["step"] == n, run.why(f"stopped at {n}, latest {path}")
+        assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
+        resume_continues(run, args)
+    finally:
+        run.cleanup()
+
+
+@pytest.mark.timeout(900)
+def test_a_driver_killed_outright_leaves_no_ray_process_and_resumes_from_the_last_periodic_checkpoint(
+        tiny_model_dir, prompt_file, tmp_path):
+    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGKILL to the driver")
+    try:
+        run.proc.kill()
+        code, _ = run.finish(timeout=30)
+        assert code == -signal.SIGKILL, run.why(f"exit {code}")
+        # the raylet's agents included (they would poll for the raylet for a minute, ignoring SIGTERM)
+        left = run.leftovers(timeout=10)
+        assert not left, run.why(f"Ray processes outlived the killed driver: {left}")
+        resume_continues(run, args)
+    finally:
+        run.cleanup()
