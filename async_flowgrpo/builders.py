@@ -40,6 +40,7 @@ def build_policy(cfg: Config, **kwargs):
         lora_rank=cfg.model.lora_rank,
         lora_alpha=cfg.model.lora_alpha,
         lora_init_seed=cfg.trainer.seed,
+        num_frames=cfg.rollout.num_frames,  # rollouts and evaluation both generate through this policy
         **kwargs,
     )
     if cfg.model.gradient_checkpointing:

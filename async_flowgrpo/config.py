@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
-from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES
+from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, video_frames
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, takes_video
 
@@ -61,6 +61,9 @@ class RolloutConfig:
     sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
+    # frames per video (video families: wan), rollouts and evaluation; 0 = the model's own
+    # (<model.path>/async_flowgrpo.json, else 81). num_frames - 1 must be a multiple of the VAE's temporal factor (Wan: 4)
+    num_frames: int = 0
     prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path
     prompt_mix: Optional[dict[str, float]] = None  # {kind: weight}: sample prompts by their JSONL "kind"
     seed: int = 0
@@ -316,6 +319,14 @@ def validate(c: Config) -> None:
             window = r.sde_window_size or r.num_steps - 1
             _require(window <= hi - lo, "rollout.sde_window_size", f"window of {window} steps does not fit in range [{lo}, {hi}){anywhere}")
     _require(r.resolution >= 0 and r.resolution % 16 == 0, "rollout.resolution", "must be 0 (model default) or a multiple of 16")
+    _require(r.num_frames >= 0, "rollout.num_frames", "must be >= 0 (0 = the model's own)")
+    if c.model.family in VIDEO_FAMILIES:
+        frames, k = video_frames(model_dir, r.num_frames)
+        _require((frames - 1) % k == 0, "rollout.num_frames",
+                 f"{frames} frames: num_frames - 1 must be a multiple of the VAE's temporal factor {k} "
+                 f"(e.g. {(frames - 1) // k * k + 1} or {(frames - 1) // k * k + k + 1})")
+    else:
+        _require(r.num_frames == 0, "rollout.num_frames", f"model.family {c.model.family} makes images; use 0")
 
     t = c.trainer
     _require(t.num_workers >= 1, "trainer.num_workers", "must be >= 1")

@@ -49,14 +49,16 @@ class DiffusionPolicy:
         lora_alpha: int = 64,
         lora_init_seed: int = 0,
         reference_copy: bool = False,
+        num_frames: int = 0,
     ):
         """lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
         matrices identical in every process that builds the policy (trainers and rollout actors
         start equal without a weight sync). reference_copy keeps a frozen copy of the initial
-        transformer for the KL term of full fine-tuning (LoRA needs none: adapters off)."""
+        transformer for the KL term of full fine-tuning (LoRA needs none: adapters off). num_frames
+        > 0: frames per video of a video family (0: the model's own)."""
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
-        self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype)
+        self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype, num_frames=num_frames)
         self.lora_rank = lora_rank
         for module in self.adapter.frozen_modules:
             module.requires_grad_(False).eval()

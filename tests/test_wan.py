@@ -176,3 +176,30 @@ def test_video_rewards(wan):
         CombinedReward({"jpeg_compressibility": 1.0})(videos, prompts, meta)
     with pytest.raises(RewardError, match="takes videos"):
         CombinedReward({"temporal_consistency": 1.0})(videos[:, 0], prompts, meta)
+
+
+def test_rollout_num_frames_reaches_generation_and_is_validated_at_config_time(wan, tmp_path, capsys):
+    from async_flowgrpo.builders import build_policy
+    from async_flowgrpo.config import config_or_exit
+
+    path = f"model.path={wan['path']}"
+    video = [path, "model.family=wan", "reward.weights={temporal_consistency: 1.0}", "model.lora_rank=4",
+             "model.lora_alpha=8"]
+    cfg = load_config("sync", [*video, "rollout.num_frames=3"])  # the twin's VAE: (3 - 1) % 2 == 0
+    policy = build_policy(cfg)
+    assert policy.adapter.num_frames == 3 and policy.adapter.latent_shape(32, 32) == (16, 2, 16, 16)
+    (g,) = policy.generate([PROMPT], 2, num_steps=2, guidance_scale=1.0, noise_level=0.7, sde_type="sde",
+                           window_size=1, seed=0)
+    assert g.images.shape == (2, 3, 32, 32, 3) and g.latents.shape[2:] == (16, 2, 16, 16)
+    assert build_policy(load_config("sync", video)).adapter.num_frames == FRAMES  # 0: the model's own
+
+    with pytest.raises(ConfigError, match=r"^rollout.num_frames: 4 frames: .* temporal factor 2 \(e.g. 3 or 5\)$"):
+        load_config("sync", [*video, "rollout.num_frames=4"])
+    with pytest.raises(ConfigError, match="^rollout.num_frames: model.family sd3 makes images"):
+        load_config("sync", ["rollout.num_frames=5"])
+    capsys.readouterr()  # the loads' progress bars above
+    with pytest.raises(SystemExit) as exit_:
+        config_or_exit("sync", [*video, "rollout.num_frames=6"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("config error: rollout.num_frames: 6 frames")

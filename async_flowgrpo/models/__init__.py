@@ -20,6 +20,10 @@ _FAMILIES = {
 }
 FAMILIES = tuple(family for family, _, _ in _FAMILIES.values())  # the choices of model.family
 VIDEO_FAMILIES = ("wan",)  # families whose samples are videos [n, F, H, W, 3], not images
+# WanPipeline's own defaults, for checkpoints that do not say: 81 frames per video, and a VAE
+# compressing 4 frames into one latent frame (after the causal first frame)
+WAN_NUM_FRAMES = 81
+WAN_TEMPORAL_FACTOR = 4
 
 
 class TransformerPlacement:
@@ -78,12 +82,29 @@ def check_model_dir(path: str) -> None:
         raise ValueError(f"model.path {path!r} is not a diffusers model directory (no model_index.json)")
 
 
-def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype):
-    """Load the model directory at `path` (offline) behind its family's adapter."""
+def video_frames(path: str, num_frames: int = 0) -> tuple[int, int]:
+    """(frames per video, the VAE's temporal factor) of the Wan-style video model at `path`, read
+    from its JSON files without loading it (config validation): `num_frames`, else the model's own
+    (async_flowgrpo.json), else WanPipeline's default."""
+    def read(*parts: str) -> dict:
+        file = os.path.join(path, *parts)
+        if not os.path.isfile(file):
+            return {}
+        with open(file) as f:
+            return json.load(f)
+
+    frames = num_frames or read("async_flowgrpo.json").get("num_frames", WAN_NUM_FRAMES)
+    return frames, read("vae", "config.json").get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
+
+
+def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype, num_frames: int = 0):
+    """Load the model directory at `path` (offline) behind its family's adapter; num_frames > 0
+    overrides a video model's frames per video (rollout.num_frames)."""
     check_model_dir(path)
     with open(os.path.join(path, "model_index.json")) as f:
         cls_name = json.load(f).get("_class_name")
     if cls_name not in _FAMILIES:
         raise ValueError(f"model.path {path!r} holds a {cls_name}; supported: {sorted(_FAMILIES)}")
     _, module, name = _FAMILIES[cls_name]
-    return getattr(importlib.import_module(module), name).load(path, device=torch.device(device), dtype=dtype)
+    return getattr(importlib.import_module(module), name).load(path, device=torch.device(device), dtype=dtype,
+                                                                 num_frames=num_frames)

@@ -67,12 +67,15 @@ class FamilyAdapter(TransformerPlacement):
         self.negative_prompt = self.default_negative_prompt if negative_prompt is None else negative_prompt
 
     @classmethod
-    def load(cls, path: str, *, device: torch.device, dtype: torch.dtype) -> FamilyAdapter:
+    def load(cls, path: str, *, device: torch.device, dtype: torch.dtype, num_frames: int = 0) -> FamilyAdapter:
+        """num_frames > 0 replaces async_flowgrpo.json's frames per video (video families only)."""
         import diffusers
 
         pipe = load_pipeline(getattr(diffusers, cls.pipeline_class), path, device=device, dtype=dtype,
                              **cls._load_kwargs(path))
         settings = read_model_settings(path)
+        if num_frames:
+            settings["num_frames"] = num_frames
         adapter = cls(pipe, max_sequence_length=settings.get("max_sequence_length", cls.default_max_sequence_length),
                       resolution=settings.get("resolution", 0), negative_prompt=settings.get("negative_prompt"))
         adapter.resolution = adapter.resolution or adapter.default_resolution()

@@ -9,8 +9,8 @@ Family conventions, as the pipeline applies them:
   and 4x causal temporal compression: F = (num_frames - 1) / 4 + 1), patchified 1 x 2 x 2 inside
   the transformer. The SDE step and its log-prob (a mean over every non-batch dim) take them as
   they are. `decode` un-normalizes with the VAE's per-channel latents_mean / latents_std.
-- Frames: `num_frames` of async_flowgrpo.json (default 81, the pipeline's); num_frames - 1 must
-  be a multiple of the VAE's temporal factor.
+- Frames: rollout.num_frames, else `num_frames` of async_flowgrpo.json (default 81, the
+  pipeline's); num_frames - 1 must be a multiple of the VAE's temporal factor.
 - Timestep: sigma * 1000.
 - Guidance: CFG batch with the negative prompt of async_flowgrpo.json ("" by default) when
   guidance_scale > 1.
@@ -27,6 +27,7 @@ import logging
 
 import torch
 
+from async_flowgrpo.models import WAN_NUM_FRAMES
 from async_flowgrpo.models.base import FamilyAdapter
 from async_flowgrpo.models.common import PromptEmbeds, denormalize_latents
 
@@ -38,7 +39,7 @@ class WanAdapter(FamilyAdapter):
     pipeline_class = "WanPipeline"
     # self-attention (attn1) and text cross-attention (attn2) of every block, as Flow-GRPO's Wan LoRA
     lora_target_modules = ("to_q", "to_k", "to_v", "to_out.0")
-    default_num_frames = 81
+    default_num_frames = WAN_NUM_FRAMES
     timestep_scale = 1000.0
     resolution_shift = False
 
