@@ -74,6 +74,7 @@ def _no_env(monkeypatch):
         remote_mod.ENV_REMOTE,
         remote_mod.ENV_OCR,
         remote_mod.ENV_GENEVAL,
+        remote_mod.ENV_REMOTE_VIDEO,
     ):
         monkeypatch.delenv(env, raising=False)
 
@@ -211,7 +212,9 @@ class _Server:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests.append(body)
                 action = server.script[min(len(server.requests), len(server.script)) - 1]
-                n = len(body["images"])
+                # a video is the list of its frames; it gets one score, the mean over its frames
+                samples = body["images"] if "images" in body else body["videos"]
+                n = len(samples)
                 if action == "sleep":
                     server.release.wait(5.0)
                     return
@@ -222,7 +225,8 @@ class _Server:
                     self.send_error(404, "no such reward")
                     return
                 if action == "ok":
-                    scores = [float(decode(img).mean()) / 255.0 for img in body["images"]]
+                    scores = [float(np.mean([decode(f) for f in s] if isinstance(s, list) else decode(s))) / 255.0
+                              for s in samples]
                     payload = json.dumps({"scores": scores, "accuracy": [1] * n, "text": ["x"] * n}).encode()
                 elif action == "not_json":
                     payload = b"<html>oops</html>"
@@ -230,6 +234,8 @@ class _Server:
                     payload = json.dumps({"score": [0.0] * n}).encode()
                 elif action == "short":
                     payload = json.dumps({"scores": [0.0] * (n - 1)}).encode()
+                elif action == "per_frame":  # a server that scores frames, not videos
+                    payload = json.dumps({"scores": [0.0] * sum(map(len, samples))}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(payload)))
@@ -325,3 +331,26 @@ def test_remote_through_combined_reward(server, monkeypatch):
     with pytest.raises(RewardError, match=r"reward 'ocr' failed: RemoteRewardError: http://127.0.0.1") as e:
         CombinedReward({"ocr": 1.0})(images, PROMPTS[:2], [{}] * 2)
     assert e.value.name == "ocr"
+
+
+def test_remote_video_sends_each_videos_frames_and_checks_one_score_per_video(server, monkeypatch):
+    videos = _images(2 * 3, seed=1).view(2, 3, 32, 32, 3)  # 2 videos of 3 frames
+    out = remote_mod.remote_video(videos, PROMPTS[:2], [{}] * 2, url=server.url, **FAST)
+    assert torch.allclose(out["score"], videos.float().mean(dim=(1, 2, 3, 4)) / 255.0, atol=1e-6)
+    body = server.requests[0]
+    assert "images" not in body and [len(v) for v in body["videos"]] == [3, 3]
+    assert np.array_equal(remote_mod.decode_png(body["videos"][1][2]), videos[1, 2].numpy())  # frames arrive losslessly
+
+    for action, count in (("short", 1), ("per_frame", 6)):  # the reply must have one score per video
+        server.script = [action]
+        with pytest.raises(remote_mod.RemoteRewardError, match=f"'scores' has {count} values for 2 videos"):
+            remote_mod.remote_video(videos, PROMPTS[:2], [{}] * 2, url=server.url, **FAST)
+
+    server.script = ["ok"]
+    monkeypatch.setenv(remote_mod.ENV_REMOTE_VIDEO, server.url)
+    total, comps = CombinedReward({"remote_video": 1.0})(videos, PROMPTS[:2], [{}] * 2)
+    assert set(comps) == {"remote_video", "remote_video/accuracy"} and torch.equal(total, comps["remote_video"])
+    with pytest.raises(RewardError, match=r"takes videos \[n, F, H, W, 3\], got images"):
+        CombinedReward({"remote_video": 1.0})(videos[:, 0], PROMPTS[:2], [{}] * 2)
+    with pytest.raises(ValueError, match="remote_video: takes videos"):
+        remote_mod.remote_video(videos[:, 0], PROMPTS[:2], [{}] * 2, url=server.url)

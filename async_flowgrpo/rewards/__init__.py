@@ -34,8 +34,9 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "ocr": "async_flowgrpo.rewards.remote:ocr",
     "geneval": "async_flowgrpo.rewards.remote:geneval",
     "temporal_consistency": "async_flowgrpo.rewards.video:temporal_consistency",
+    "remote_video": "async_flowgrpo.rewards.remote:remote_video",
 }
-_VIDEO_REWARDS = {"temporal_consistency"}  # names whose callables take videos [n, F, H, W, 3]
+_VIDEO_REWARDS = {"temporal_consistency", "remote_video"}  # names whose callables take videos [n, F, H, W, 3]
 FRAMES_PREFIX = "frames_"  # frames_<image reward>: that reward averaged over a video's frames
 
 

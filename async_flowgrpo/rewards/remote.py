@@ -2,7 +2,9 @@
 
 Request:  POST <url>, Content-Type: application/json,
           {"prompts": [str]*n, "metadata": [dict]*n, "images": [base64 PNG]*n}
-Response: {"scores": [float]*n, <other>: [number]*n, ...}
+          or, for videos (`remote_video`), "videos": [[base64 PNG]*F]*n in place of "images":
+          each video as the list of its F frames (lossless, so a server sees what was sampled).
+Response: {"scores": [float]*n, <other>: [number]*n, ...}, one value per image or video
           "scores" is the reward; every other list of n numbers is returned as the component
           "<name>/<other>"; other keys (strings, nested objects) are ignored.
 
@@ -11,7 +13,8 @@ Connection errors, timeouts, HTTP 5xx and 429 are retried `retries` times with e
 names the URL.
 
 Keyword options (`reward.options.<name>`):
-    url         the endpoint (or the env var: $ASYNC_FLOWGRPO_REMOTE_URL, _OCR_URL, _GENEVAL_URL)
+    url         the endpoint (or the env var: $ASYNC_FLOWGRPO_REMOTE_URL, _OCR_URL, _GENEVAL_URL,
+                _REMOTE_VIDEO_URL)
     timeout_s   per attempt (default 60)
     retries     extra attempts after the first (default 2)
     backoff_s   first backoff (default 1.0)
@@ -38,6 +41,7 @@ from PIL import Image
 ENV_REMOTE = "ASYNC_FLOWGRPO_REMOTE_URL"
 ENV_OCR = "ASYNC_FLOWGRPO_OCR_URL"
 ENV_GENEVAL = "ASYNC_FLOWGRPO_GENEVAL_URL"
+ENV_REMOTE_VIDEO = "ASYNC_FLOWGRPO_REMOTE_VIDEO_URL"
 
 
 class RemoteRewardError(RuntimeError):
@@ -57,11 +61,17 @@ def decode_png(data: str):
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(data))).convert("RGB"))
 
 
-def _payload(images: torch.Tensor, prompts: list, metadata: list) -> bytes:
+def _kind(samples: torch.Tensor) -> str:
+    return "videos" if samples.dim() == 5 else "images"  # [n, F, H, W, 3] or [n, H, W, 3]
+
+
+def _payload(samples: torch.Tensor, prompts: list, metadata: list) -> bytes:
+    arrays = samples.detach().cpu().numpy()
     body = {
         "prompts": [str(p) for p in prompts],
         "metadata": [dict(m) if m is not None else {} for m in metadata],
-        "images": [encode_png(img) for img in images.detach().cpu().numpy()],
+        _kind(samples): ([[encode_png(frame) for frame in video] for video in arrays] if samples.dim() == 5
+                         else [encode_png(img) for img in arrays]),
     }
     return json.dumps(body, default=str).encode("utf-8")
 
@@ -98,7 +108,7 @@ def _post(url: str, data: bytes, headers: dict, timeout_s: float, retries: int, 
     raise RemoteRewardError(f"{url}: failed after {retries + 1} attempt(s): {last}")
 
 
-def _parse(url: str, raw: bytes, n: int, name: str) -> dict:
+def _parse(url: str, raw: bytes, n: int, name: str, kind: str = "images") -> dict:
     try:
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -115,7 +125,7 @@ def _parse(url: str, raw: bytes, n: int, name: str) -> dict:
         elif not is_numeric_list:
             continue
         if len(value) != n:
-            raise RemoteRewardError(f"{url}: malformed response: '{key}' has {len(value)} values for {n} images")
+            raise RemoteRewardError(f"{url}: malformed response: '{key}' has {len(value)} values for {n} {kind}")
         t = torch.tensor([float(v) for v in value], dtype=torch.float32)
         if key == "scores" and not all(math.isfinite(v) for v in t.tolist()):
             raise RemoteRewardError(f"{url}: malformed response: non-finite score")
@@ -136,7 +146,8 @@ def remote_reward(
     name: str = "remote",
     env: str = ENV_REMOTE,
 ) -> dict:
-    """POST the batch to `url`; returns {"score": [n], "<name>/<component>": [n], ...}."""
+    """POST the batch (images [n, H, W, 3] or videos [n, F, H, W, 3]) to `url`; returns
+    {"score": [n], "<name>/<component>": [n], ...}, one value per image or video."""
     url = url or os.environ.get(env)
     if not url:
         raise RemoteRewardError(f"{name}: no URL given: set reward.options.{name}.url or ${env}")
@@ -144,13 +155,13 @@ def remote_reward(
         raise RemoteRewardError(f"{name}: url must start with http:// or https://, got '{url}'")
     if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0:
         raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0")
-    n = images.shape[0]
+    n, kind = images.shape[0], _kind(images)
     if len(prompts) != n or len(metadata) != n:
-        raise ValueError(f"{name}: {len(prompts)} prompts / {len(metadata)} metadata for {n} images")
+        raise ValueError(f"{name}: {len(prompts)} prompts / {len(metadata)} metadata for {n} {kind}")
     if n == 0:
         return {"score": torch.zeros(0)}
     raw = _post(str(url), _payload(images, prompts, metadata), dict(headers or {}), float(timeout_s), int(retries), float(backoff_s))
-    return _parse(str(url), raw, n, name)
+    return _parse(str(url), raw, n, name, kind)
 
 
 def remote(
@@ -176,4 +187,16 @@ def geneval(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, b
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
         headers=headers, name="geneval", env=ENV_GENEVAL,
+    )
+
+
+def remote_video(videos, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
+                 name="remote_video") -> dict:
+    """A video reward server: each video's frames in the request, one score per video back; url
+    from the option or $ASYNC_FLOWGRPO_REMOTE_VIDEO_URL."""
+    if videos.dim() != 5:
+        raise ValueError(f"{name}: takes videos [n, F, H, W, 3], got {list(videos.shape)}")
+    return remote_reward(
+        videos, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+        headers=headers, name=name, env=ENV_REMOTE_VIDEO,
     )
