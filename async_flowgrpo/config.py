@@ -80,7 +80,8 @@ class TrainerConfig:
     seed: int = 42
     lr: float = 3e-4
     # the lr over the run: constant | cosine | linear decay from lr to lr * lr_min_ratio at total_steps,
-    # after a linear warm-up over warmup_steps (torchtune's cosine-with-warm-up)
+    # after a linear warm-up over warmup_steps (torchtune's cosine-with-warm-up; a run shorter than its
+    # warm-up, e.g. a 3-step smoke test, stays in it)
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_min_ratio: float = 0.0
@@ -336,7 +337,7 @@ def validate(c: Config) -> None:
     _require(bool(t.output_dir), "trainer.output_dir", "must not be empty")
     _require(t.lr > 0, "trainer.lr", "must be > 0")
     _require(t.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
-    _require(0 <= t.warmup_steps < t.total_steps, "trainer.warmup_steps", "must be >= 0 and < trainer.total_steps")
+    _require(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
     _require(0 <= t.lr_min_ratio <= 1, "trainer.lr_min_ratio", "must be in [0, 1]")
     _require(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
     _require(t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")

@@ -32,9 +32,7 @@ GRACE_S = 30  # a scheduler's grace period between SIGTERM and SIGKILL
 
 def start(tiny_model_dir, prompt_file, tmp_path, what: str) -> tuple[Launch, list[str]]:
     out = str(tmp_path / "run")
-    # (warmup_steps=0: a resume to a few steps past the stop must stay a valid config)
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2",
-                      "trainer.warmup_steps=0")
+    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2")
     run = Launch(MODE, args, out, what)
     assert run.wait_rows(3), run.why("the run ended before its third step")
     run.scan(force=True)
