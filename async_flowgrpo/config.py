@@ -246,7 +246,13 @@ def _merge(yaml_files: list[str], overrides: list[str]):
     for path in yaml_files:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        loaded = OmegaConf.load(path)
+        cfg = OmegaConf.merge(cfg, loaded)
+        # A file's reward.weights is the reward it means (a model file's replaces base.yaml's
+        # shapes checker, which cannot score its images or videos); a merge would keep both.
+        weights = OmegaConf.select(loaded, "reward.weights")
+        if weights is not None:
+            OmegaConf.update(cfg, "reward.weights", weights, merge=False)
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     for override in overrides:
         # A whole-dict value (reward.weights={jpeg_incompressibility: 1.0}) replaces the

@@ -203,3 +203,15 @@ def test_rollout_num_frames_reaches_generation_and_is_validated_at_config_time(w
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("config error: rollout.num_frames: 6 frames")
+
+
+def test_the_wan_preset_loads_with_its_video_reward_only(wan):
+    """A model file's reward.weights replaces base.yaml's (a merge would keep the image-only shapes
+    checker beside the preset's video reward, and validation would refuse the preset)."""
+    from async_flowgrpo.config import CONFIG_DIR
+
+    preset = os.path.join(CONFIG_DIR, "model", "wan21_t2v_1_3b.yaml")
+    cfg = load_config("fully_async", [preset, f"model.path={wan['path']}",
+                                      "rollout.num_frames=33"])
+    assert cfg.model.family == "wan" and cfg.reward.weights == {"frames_jpeg_incompressibility": 1.0}
+    assert cfg.rollout.num_frames == 33
