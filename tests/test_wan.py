@@ -181,6 +181,7 @@ def test_video_rewards(wan):
 def test_rollout_num_frames_reaches_generation_and_is_validated_at_config_time(wan, tmp_path, capsys):
     from async_flowgrpo.builders import build_policy
     from async_flowgrpo.config import config_or_exit
+    from async_flowgrpo.evaluation import evaluate_policy
 
     path = f"model.path={wan['path']}"
     video = [path, "model.family=wan", "reward.weights={temporal_consistency: 1.0}", "model.lora_rank=4",
@@ -191,6 +192,12 @@ def test_rollout_num_frames_reaches_generation_and_is_validated_at_config_time(w
     (g,) = policy.generate([PROMPT], 2, num_steps=2, guidance_scale=1.0, noise_level=0.7, sde_type="sde",
                            window_size=1, seed=0)
     assert g.images.shape == (2, 3, 32, 32, 3) and g.latents.shape[2:] == (16, 2, 16, 16)
+    prompts = tmp_path / "eval.txt"
+    prompts.write_text(f"{PROMPT}\n")
+    eval_cfg = load_config("sync", [*video, "rollout.num_frames=3", f"eval.prompts={prompts}", "eval.num_steps=2",
+                                    "eval.samples_per_prompt=2"])
+    result = evaluate_policy(policy, eval_cfg)  # evaluation samples through the same policy: 3 frames
+    assert result["images"].shape == (1, 3, 32, 32, 3) and 0 < result["metrics"]["eval/temporal_consistency"] <= 1
     assert build_policy(load_config("sync", video)).adapter.num_frames == FRAMES  # 0: the model's own
 
     with pytest.raises(ConfigError, match=r"^rollout.num_frames: 4 frames: .* temporal factor 2 \(e.g. 3 or 5\)$"):
