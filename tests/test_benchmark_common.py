@@ -22,7 +22,7 @@ def common():
 
 
 @pytest.mark.parametrize("error, code, says", [
-    (Stopped(signal.SIGTERM, 7, saved=True, resumable=True), 143, "stopped by a signal at step 7 of /runs/a"),
+    (Stopped(signal.SIGTERM, 7, saved=True, last="step_000007"), 143, "stopped by a signal at step 7 of /runs/a"),
     (RunError("the rollout actor died"), 1, "error in /runs/a: the rollout actor died"),
 ])
 def test_a_benchmark_run_that_stops_or_fails_ends_with_one_line_and_its_exit_code(common, monkeypatch, capsys, error, code, says):
