@@ -322,6 +322,9 @@ class SimTrainer:
     async def ready(self) -> bool:
         return True
 
+    async def pid(self) -> int:  # the driver watches its trainers' processes (a signal to every pid)
+        return os.getpid()
+
     async def train_step(self, shard: list, version: int) -> dict:
         import asyncio
 

@@ -50,6 +50,8 @@ def small_config(mode, model_dir, prompts, output_dir, *extra):
             "trainer.cpus_per_worker=0.25",
             "trainer.micro_batch_size=4",
             "trainer.lr=1e-2",
+            "trainer.lr_schedule=constant",  # these runs check mechanics: every step at the full lr
+            "trainer.warmup_steps=0",
             "trainer.total_steps=3",
             "trainer.sample_every=0",
             f"trainer.output_dir={output_dir}",
@@ -92,9 +94,14 @@ def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["version"] for r in rows] == [1, 2, 3]  # one published update per step
     for key in ("reward/mean", "loss/policy", "policy/clip_frac", "is/ess", "staleness/mean", "sync/time_s",
-                "perf/samples_per_s", "perf/trainer_idle_frac", "perf/rollout_idle_frac", "logp/max_abs_diff",
+                "perf/samples_per_s", "perf/trainer_idle_frac", "perf/rollout_idle_frac",
                 "samples/produced", "samples/consumed", "queue/size", "driver/bytes_per_step"):
         assert key in rows[-1], key
+    # the rollout's log-probs against the trainer's: logged on a step that trains fresh samples
+    fresh = [r for r in rows if r["staleness/mean"] == 0]
+    assert fresh and all(r["logp/max_abs_diff"] < 1e-5 for r in fresh)
+    stale = [r for r in rows if r["staleness/mean"] >= 1]  # no fresh sample: nothing to compare, no 0.0
+    assert all("logp/max_abs_diff" not in r for r in stale)
     assert rows[-1]["samples/consumed"] == 3 * 4
     assert os.path.exists(os.path.join(output_dir, "config.yaml"))
     assert os.listdir(os.path.join(output_dir, "checkpoints"))
