@@ -460,13 +460,13 @@ def fake_vllm_omni_modules(monkeypatch):
     return DiffusionRequestBatch
 
 
-@pytest.mark.parametrize("guidance", [1.0, 2.0])
-def test_pipeline_records_trajectories_on_a_fake_upstream(monkeypatch, guidance):
+@pytest.mark.parametrize("guidance, n", [(1.0, 3), (2.0, 3), (2.0, 1)])  # n = 1: the encoded prompt is already per sample
+def test_pipeline_records_trajectories_on_a_fake_upstream(monkeypatch, guidance, n):
     Batch = fake_vllm_omni_modules(monkeypatch)
     pipeline = vo.FlowGRPOSD3Pipeline()
     assert vo.FlowGRPOSD3Pipeline.__qualname__ == "FlowGRPOSD3Pipeline"
     assert vo.PIPELINE_QUALNAME == "async_flowgrpo.rollout.vllm_omni.FlowGRPOSD3Pipeline"
-    ours = vo.build_requests(["p"], 3, 7, **{**SAMPLING, "guidance_scale": guidance}, version=4)[0]
+    ours = vo.build_requests(["p"], n, 7, **{**SAMPLING, "guidance_scale": guidance}, version=4)[0]
 
     def omni_request(rollout_request):
         sampling = SimpleNamespace(**rollout_request.sampling)
@@ -475,11 +475,11 @@ def test_pipeline_records_trajectories_on_a_fake_upstream(monkeypatch, guidance)
     plain = omni_request(ours)
     plain.sampling_params = SimpleNamespace(**{**ours.sampling, "extra_args": {}})  # e.g. the engine's warm-up run
     out, out_plain = pipeline.forward(Batch(requests=[omni_request(ours), plain]))
-    assert out_plain.trajectory_latents is None and out.output.shape == (3, 3, *LATENT[1:])
+    assert out_plain.trajectory_latents is None and out.output.shape == (n, 3, *LATENT[1:])
     # the loop saw fp32 timesteps sigma * 1000 and n rows of conditioning
     sigmas = torch.linspace(1, 0, SAMPLING["num_steps"] + 1)
     first = pipeline.seen[: SAMPLING["num_steps"] * (2 if guidance > 1 else 1)]
-    assert all(dt == torch.float32 and rows == cond_rows == 3 for dt, rows, cond_rows, _ in first)
+    assert all(dt == torch.float32 and rows == cond_rows == n for dt, rows, cond_rows, _ in first)
     assert first[0][3] == pytest.approx(1000.0) and first[-1][3] == pytest.approx(float(sigmas[-2] * 1000))
 
     def velocity(x, i):  # what the fake transformer computes, combined in fp32
@@ -495,7 +495,7 @@ def test_pipeline_records_trajectories_on_a_fake_upstream(monkeypatch, guidance)
     assert (info["version"], info["height"], info["width"], info["window_start"]) == (4, 64, 64, record["window_start"])
     assert info["prompt_embeds"].shape == (3, 5) and info["pooled_prompt_embeds"].shape == (7,)
     assert (info["negative_prompt_embeds"] is None) == (guidance <= 1)
-    images = [Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8))] * 3
+    images = [Image.fromarray(np.zeros((64, 64, 3), dtype=np.uint8))] * n
     omni_output = SimpleNamespace(error=None, images=images, trajectory_latents=out.trajectory_latents,
                                   trajectory_log_probs=out.trajectory_log_probs, trajectory_timesteps=info)
     g = vo.group_from_output(omni_output, ours, guidance_scale=guidance)

@@ -787,7 +787,7 @@ def _build_worker_classes() -> dict[str, type]:
             n, dtype = latents.shape[0], self.od_config.dtype
 
             def per_sample(t):  # upstream encodes the prompt once; the transformer wants n rows
-                return None if t is None or t.shape[0] == n else t.repeat_interleave(n // t.shape[0], 0)
+                return t if t is None or t.shape[0] == n else t.repeat_interleave(n // t.shape[0], 0)
 
             cond = [
                 per_sample(t)
