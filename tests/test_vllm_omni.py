@@ -6,6 +6,7 @@ The real pipeline class and AsyncOmni are untested here (no GPU, no vllm-omni)."
 
 import os
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -369,13 +370,17 @@ def test_engine_full_weights_go_through_the_worker_extension(tmp_path):
         engine.close()
 
 
-def test_engine_close_removes_its_own_work_dir():
+def test_engine_close_removes_its_own_work_dir_and_shuts_down_on_the_loop_thread():
+    omni = FakeOmni()
+    shut_down_on = []
+    omni.shutdown = lambda: shut_down_on.append(threading.current_thread().name)
     engine = vo.VllmOmniEngine(
-        FakeOmni(), loop=vo._LoopThread(), make_sampling_params=dict, make_lora_request=dict, lora_rank=2, lora_alpha=4
+        omni, loop=vo._LoopThread(), make_sampling_params=dict, make_lora_request=dict, lora_rank=2, lora_alpha=4
     )
     work_dir = engine.work_dir
     assert os.path.isdir(work_dir)
     engine.close()
+    assert shut_down_on == ["vllm-omni-loop"]  # AsyncOmni.shutdown cancels tasks: not from another thread
     assert not os.path.exists(work_dir) and not engine._loop.thread.is_alive()
 
 

@@ -553,9 +553,12 @@ class VllmOmniEngine:
         )
 
     def close(self) -> None:
+        async def shutdown():  # it cancels the engine's asyncio tasks: safe only on their loop's thread
+            self.omni.shutdown()
+
         try:
             if hasattr(self.omni, "shutdown"):
-                self.omni.shutdown()
+                self._loop.run(shutdown(), self.request_timeout_s)
         finally:
             self._loop.stop()
             if self._own_work_dir:
