@@ -427,7 +427,9 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
     from async_flowgrpo.driver.cluster import rollout_actor_name
 
     output_dir = str(tmp_path)
-    cfg = small_config(mode, tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=4")
+    # 12 steps (about 6 s unloaded) so that a kill at the first metrics row always lands with steps
+    # left to notice it: with 4 a loaded CI machine killed the actor after its last rollout
+    cfg = small_config(mode, tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=12")
     killed = {}
 
     def kill_one_when_running():
@@ -440,7 +442,7 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
                     os.kill(killed["pid"], signal.SIGKILL)
             except ValueError:
                 pass  # not created yet
-            time.sleep(0.5)
+            time.sleep(0.1)
 
     killer = threading.Thread(target=kill_one_when_running, daemon=True)
     killer.start()
@@ -448,11 +450,11 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
     killer.join(timeout=5)
     rows = read_metrics(output_dir)
     assert "pid" in killed
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["rollout/restarts"] == 1
     assert all(r["staleness/max"] <= 1 for r in rows)
     if mode == "one_step_off":  # the dead actor's share is regenerated: every step trains a whole batch
-        assert rows[-1]["samples/consumed"] == 4 * 4
+        assert rows[-1]["samples/consumed"] == 12 * 4
     else:  # what died queued with the actor is counted, and the rest balances
         last = rows[-1]
         assert last["samples/produced"] == (last["samples/consumed"] + last["samples/lost"] + last["samples/dropped_stale"]
