@@ -104,12 +104,19 @@ def main(mode: str, argv: list[str]) -> None:
 
             from async_flowgrpo.modes import run
             from async_flowgrpo.driver.cluster import RunError
+            from async_flowgrpo.driver.run import disk_full
 
             print(f"async_flowgrpo {mode}: model={cfg.model.path} output_dir={cfg.trainer.output_dir}", file=sys.stderr)
             try:
                 run(cfg)  # its logger prints the summary line
             except RunError as e:
                 print(f"error: {e}", file=sys.stderr)
+                raise SystemExit(1) from None
+            except OSError as e:  # the disk filled while writing metrics, images or logs (checkpoints: RunError)
+                if disk_full(e) is None:
+                    raise
+                print(f"error: disk full writing {e.filename or cfg.trainer.output_dir} ({e.strerror}); free space, "
+                      f"then resume from the last checkpoint with trainer.resume=latest", file=sys.stderr)
                 raise SystemExit(1) from None
     except Stopped as e:
         print(stop_line(e, argv), file=sys.stderr)

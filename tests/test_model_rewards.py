@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from async_flowgrpo import rewards
-from async_flowgrpo.rewards import CombinedReward, RewardError, get_reward
+from async_flowgrpo.rewards import CombinedReward, RewardError, get_reward, register_reward
 from async_flowgrpo.rewards import aesthetic as aesthetic_mod
 from async_flowgrpo.rewards import clip_score as clip_mod
 from async_flowgrpo.rewards import remote as remote_mod
@@ -354,3 +354,20 @@ def test_remote_video_sends_each_videos_frames_and_checks_one_score_per_video(se
         CombinedReward({"remote_video": 1.0})(videos[:, 0], PROMPTS[:2], [{}] * 2)
     with pytest.raises(ValueError, match="remote_video: takes videos"):
         remote_mod.remote_video(videos[:, 0], PROMPTS[:2], [{}] * 2, url=server.url)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (lambda n: torch.full((n,), float("nan")), "non-finite score"),
+    (lambda n: torch.tensor([1.0] * (n - 1) + [float("inf")]), "non-finite score"),
+    (lambda n: torch.ones(n - 1), "'score' has 2 values for 3 images"),
+    (lambda n: {"score": torch.ones(n), "parts": torch.ones(n + 1)}, "'parts' has 4 values for 3 images"),
+])
+def test_a_model_reward_returning_nan_inf_or_the_wrong_count_fails_naming_itself(bad, message):
+    """CombinedReward checks what any reward returns; the rollout worker turns the error into a
+    skipped, counted group (tests/test_run.py runs it end to end)."""
+    name = f"bad_reward_{id(bad)}"  # one registry entry per case
+    register_reward(name, lambda images, prompts, metadata: bad(images.shape[0]))
+    reward = CombinedReward({"jpeg_compressibility": 1.0, name: 1.0})
+    images = torch.zeros(3, 8, 8, 3, dtype=torch.uint8)
+    with pytest.raises(RewardError, match=f"reward '{name}' failed: .*{message}"):
+        reward(images, ["p"] * 3, [{}] * 3)

@@ -312,6 +312,58 @@ def test_the_weight_average_is_saved_evaluated_and_resumed(ray_cluster, tiny_mod
     assert any(not torch.equal(resumed["average"][k], average[k]) for k in average)
 
 
+def test_a_full_disk_while_checkpointing_keeps_the_previous_checkpoint_and_resumes(
+        ray_cluster, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
+    """ENOSPC while writing checkpoint 4 (injected in the driver's tensor file): the run stops with
+    one line naming the disk and the intact checkpoint 2, leaves no partial directory, and a resume
+    once there is space again ends exactly like a straight run."""
+    import errno
+
+    import safetensors.torch
+
+    from async_flowgrpo import checkpoint
+
+    out = str(tmp_path)
+    real_save_file, saves = safetensors.torch.save_file, []
+
+    def save_file_on_a_filling_disk(tensors, filename, *args, **kwargs):
+        saves.append(filename)
+        if len(saves) == 2:  # checkpoint 2 fits, checkpoint 4 does not
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 1000)  # what was written before the disk filled
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_on_a_filling_disk)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, out, "trainer.total_steps=6", "trainer.checkpoint_every=2")
+    with pytest.raises(RunError, match=r"disk full: checkpoint step 4 .*No space left on device.*step_000002.*"
+                                       r"trainer.resume=latest") as error:
+        run(cfg)
+    assert len(str(error.value).splitlines()) == 1
+    root = os.path.join(out, "checkpoints")
+    assert sorted(os.listdir(root)) == ["latest", "step_000002"]  # no half-written directory
+    assert checkpoint.load(os.path.join(root, "step_000002"))["step"] == 2
+
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save_file)  # space freed
+    run(small_config("sync", tiny_model_dir, prompt_file, out, "trainer.total_steps=6", "trainer.checkpoint_every=2",
+                     "trainer.resume=latest"))
+    last = {r["step"]: r for r in read_metrics(out)}  # readers take the last row per step
+    assert sorted(last) == [1, 2, 3, 4, 5, 6] and last[6]["version"] == 6
+    assert checkpoint.load(os.path.join(root, "step_000006"))["next_ticket"] == 6 * 2  # each group trained once
+
+
+def test_disk_full_finds_the_out_of_space_error_here_or_inside_an_actor():
+    import errno
+
+    from async_flowgrpo.driver.run import disk_full
+
+    full = OSError(errno.ENOSPC, "No space left on device", "/x")
+    assert disk_full(full) is full and disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")) is not None
+    assert disk_full(ray.exceptions.RayTaskError("save_weights", "traceback", full)) is full  # a trainer's save
+    assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert disk_full(ray.exceptions.RayTaskError("save_weights", "traceback", ValueError("x"))) is None
+
+
 def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """The checkpoint holds the groups queued (and the tickets in flight) at the last step; the
     resumed run puts them back in the queue instead of dropping them, and its counters balance."""
@@ -494,6 +546,73 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     assert len(rows) == 2
     assert rows[-1]["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
     assert rows[-1]["samples/consumed"] == 2 * 3 * 2
+
+
+def scoring_server(scores_for):
+    """A local reward service: POST {"prompts": [...]} -> {"scores": scores_for(prompts)}."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(json.dumps({"scores": scores_for(body["prompts"])}).encode())  # NaN -> JSON's NaN
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/score"
+
+
+def remote_reward_config(url, *extra):
+    return ("reward.weights={remote: 1.0}", f"reward.options={{remote: {{url: '{url}', retries: 0}}}}", *extra)
+
+
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_nan_inf_and_miscounted_reward_scores_skip_their_group_and_are_never_trained_on(
+        ray_cluster, tiny_model_dir, prompt_file, tmp_path, mode):
+    """A reward answering NaN, inf or the wrong number of scores: that group is skipped and counted;
+    only the well-scored groups are trained on (samples/consumed)."""
+    def scores_for(prompts):
+        if "a blue square" in prompts:
+            return [float("nan")] * len(prompts)
+        if "a red circle" in prompts:
+            return [float("inf")] + [1.0] * (len(prompts) - 1)
+        if "a red square" in prompts:
+            return [1.0] * (len(prompts) - 1)  # one score short
+        return [0.5] * len(prompts)
+
+    server, url = scoring_server(scores_for)
+    try:
+        cfg = small_config(mode, tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2",
+                           "rollout.groups_per_step=4", "reward.max_consecutive_failures=50",  # 3 in 4 fail
+                           *remote_reward_config(url))
+        run(cfg)
+    finally:
+        server.shutdown()
+    rows = read_metrics(str(tmp_path))
+    last = rows[-1]
+    assert len(rows) == 2 and last["rewards/errors"] >= 3
+    assert last["rewards/skipped_groups"] == last["rewards/errors"]
+    assert all(r["reward/mean"] == 0.5 for r in rows)  # no NaN, inf or 1.0 reached a batch
+    assert last["samples/consumed"] == sum(r["samples/trained"] for r in rows)
+
+
+def test_a_reward_that_keeps_answering_nan_stops_the_run_with_one_line_naming_it(
+        ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    server, url = scoring_server(lambda prompts: [float("nan")] * len(prompts))
+    try:
+        cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), *remote_reward_config(url),
+                           "reward.max_consecutive_failures=3")
+        with pytest.raises(RunError, match="3 consecutive reward failures.*reward 'remote' failed.*non-finite score") as error:
+            run(cfg)
+    finally:
+        server.shutdown()
+    assert len(str(error.value).splitlines()) == 1
 
 
 def test_fsdp_sharded_trainers_match_a_replicated_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

@@ -16,6 +16,7 @@ restores them, and turns signals and actor deaths into one line for the user.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import threading
@@ -70,6 +71,14 @@ class Schedule:
 
     def samples(self, step: int) -> bool:
         return bool(self.sample_every and step % self.sample_every == 0)
+
+
+def disk_full(error: BaseException) -> OSError | None:
+    """The out-of-space OSError behind `error` (raised here or inside an actor), or None."""
+    cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else error
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        return cause
+    return None
 
 
 @dataclass
@@ -384,9 +393,20 @@ class Run:
             **self.checkpoint_extra(),
             **({"batch_in_flight": in_flight} if in_flight else {}),
         }
-        path = self.checkpointer.save(
-            self.step, state, write_extra=lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights"))
-        )
+        try:
+            path = self.checkpointer.save(
+                self.step, state, write_extra=lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights"))
+            )
+        except (OSError, ray.exceptions.RayTaskError) as e:
+            full = disk_full(e)  # in the driver, or in a trainer writing the weights
+            if full is None:
+                raise
+            last = self.checkpointer.latest_name()
+            raise RunError(
+                f"disk full: checkpoint step {self.step} could not be written to {self.checkpointer.root} "
+                f"({full.strerror}); the previous checkpoint ({last or 'none'}) is intact: free space, then "
+                f"resume with trainer.resume=latest"
+            ) from None
         self.saved_step = self.step
         return path
 
