@@ -30,3 +30,18 @@ def ray_cluster():
     ray.init(num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
+
+
+# The fast tier (`python -m pytest -q -m "not slow"`, a few minutes) leaves out what starts Ray,
+# launches subprocesses or injects faults into whole runs; the full suite (CI) runs everything.
+SLOW_MODULES = {"test_cluster_signals", "test_fault_injection", "test_launcher", "test_multinode", "test_wan_run"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts Ray or a launcher subprocess (left out of the fast tier)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
