@@ -48,6 +48,9 @@ class RolloutConfig:
     num_workers: int = 1
     gpus_per_worker: float = 0.0  # 0 on CPU machines; 1 per rollout actor on GPU clusters
     cpus_per_worker: float = 0.5
+    # custom Ray resources each actor needs, e.g. {rollout_node: 1}: with `ray start --resources`
+    # on the nodes, pins rollout and trainer actors to different nodes
+    resources: dict[str, float] = field(default_factory=dict)
     group_size: int = 16
     groups_per_step: int = 4  # groups consumed per trainer step (batch = group_size * groups_per_step)
     num_steps: int = 10
@@ -74,6 +77,7 @@ class TrainerConfig:
     num_workers: int = 1
     gpus_per_worker: float = 0.0
     cpus_per_worker: float = 0.5
+    resources: dict[str, float] = field(default_factory=dict)  # as rollout.resources, e.g. {trainer_node: 1}
     total_steps: int = 100
     output_dir: str = "outputs/run"
     resume: Optional[str] = None  # a checkpoint dir or "latest"
@@ -303,6 +307,7 @@ def validate(c: Config) -> None:
     _require(r.num_workers >= 1, "rollout.num_workers", "must be >= 1")
     _require(r.gpus_per_worker >= 0, "rollout.gpus_per_worker", "must be >= 0")
     _require(r.cpus_per_worker > 0, "rollout.cpus_per_worker", "must be > 0")
+    _require(all(v > 0 for v in r.resources.values()), "rollout.resources", "amounts must be > 0")
     _require(r.group_size >= 2, "rollout.group_size", "a group of 1 has advantage 0 under group normalisation (nothing to learn); use >= 2")
     _require(r.groups_per_step >= 1, "rollout.groups_per_step", "must be >= 1")
     _require(r.num_steps >= 2, "rollout.num_steps", "must be >= 2 (the last step is never trained)")
@@ -339,6 +344,7 @@ def validate(c: Config) -> None:
     _require(t.num_workers >= 1, "trainer.num_workers", "must be >= 1")
     _require(t.gpus_per_worker >= 0, "trainer.gpus_per_worker", "must be >= 0")
     _require(t.cpus_per_worker > 0, "trainer.cpus_per_worker", "must be > 0")
+    _require(all(v > 0 for v in t.resources.values()), "trainer.resources", "amounts must be > 0")
     _require(t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", "must not be empty")
     _require(t.lr > 0, "trainer.lr", "must be > 0")

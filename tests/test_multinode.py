@@ -74,3 +74,76 @@ def test_unreachable_cluster_is_a_one_line_error(tiny_model_dir, tmp_path):
     assert result.returncode == 1
     assert time.time() - start < 60
     assert "ray.address" in result.stderr.strip().splitlines()[-1]
+
+
+# -- two nodes on one machine (Ray's own multi-node tests do the same: a head and a second raylet) --
+@pytest.fixture
+def two_nodes():
+    """A head node offering 'trainer_node' and a second node offering 'rollout_node', each its own
+    raylet and object store: objects and weights between them cross a node boundary (TCP)."""
+    from ray.cluster_utils import Cluster as RayNodes
+
+    nodes = RayNodes(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"trainer_node": 1},
+                                                            "include_dashboard": False})
+    rollout_node = nodes.add_node(num_cpus=2, resources={"rollout_node": 2})
+    yield nodes, rollout_node
+    nodes.shutdown()
+
+
+def two_node_command(mode, address, model_dir, prompts, out, *extra):
+    return [
+        sys.executable, os.path.join(REPO, "launch", f"{mode}.py"), f"ray.address={address}",
+        "trainer.resources={trainer_node: 1}", "rollout.resources={rollout_node: 1}", "rollout.num_workers=2",
+        f"model.path={model_dir}", f"rollout.prompts={prompts}", "rollout.prompt_mix=null", "rollout.sde_window_range=null",
+        f"eval.prompts={prompts}", "reward.weights={jpeg_incompressibility: 1.0}", "model.lora_rank=4",
+        "rollout.group_size=2", "rollout.groups_per_step=2", "rollout.num_steps=3", "rollout.sde_window_size=0",
+        "trainer.micro_batch_size=4", "rollout.cpus_per_worker=0.5", "trainer.cpus_per_worker=0.5",
+        "eval.at_start_and_end=false", "trainer.sample_every=0", "logging.progress=false", f"trainer.output_dir={out}",
+        "trainer.lr_schedule=constant", "trainer.warmup_steps=0", *extra,
+    ]
+
+
+def test_two_nodes_every_mode_then_the_rollout_node_dies_and_the_run_resumes(two_nodes, tiny_model_dir, tmp_path):
+    """Rollout actors on one node, the trainer on the other, in all three modes: weights and groups
+    cross the node boundary. Then the rollout node's raylet is killed mid-run: the run stops with one
+    line naming the last checkpoint, and resumes once a node offering 'rollout_node' is back."""
+    nodes, rollout_node = two_nodes
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\na blue square\n")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+
+    def metrics(out):
+        return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+    for mode in ("sync", "one_step_off", "fully_async"):
+        out = tmp_path / mode
+        cmd = two_node_command(mode, nodes.address, tiny_model_dir, prompts, out, "trainer.total_steps=2")
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        rows = metrics(out)
+        assert [r["version"] for r in rows] == [1, 2]
+        assert all(r["cluster/nodes"] == 2 and r["sync/bytes"] > 0 for r in rows)  # placed apart, weights pushed across
+
+    out = tmp_path / "node_lost"
+    cmd = two_node_command("fully_async", nodes.address, tiny_model_dir, prompts, out, "trainer.total_steps=200",
+                           "trainer.checkpoint_every=2", "ray.start_timeout_s=45")  # how long a lost actor is waited for
+    run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() or len(metrics(out)) < 3:
+        assert run.poll() is None and time.time() < deadline, f"the run did not get going: {run.stderr.read()[-2000:]}"
+        time.sleep(0.5)
+    nodes.remove_node(rollout_node, allow_graceful=False)  # kills its raylet and its workers
+    _, stderr = run.communicate(timeout=300)
+    lines = [line for line in stderr.strip().splitlines() if " INFO " not in line and " WARNING " not in line]
+    assert run.returncode == 1, stderr[-2000:]
+    assert "last checkpoint: step_" in lines[-1] and "trainer.resume=latest" in lines[-1], lines[-3:]
+    saved = max(r["step"] for r in metrics(out) if r["step"] % 2 == 0)
+
+    nodes.add_node(num_cpus=2, resources={"rollout_node": 2})  # space for the rollout actors again
+    resume = two_node_command("fully_async", nodes.address, tiny_model_dir, prompts, out,
+                              f"trainer.total_steps={saved + 2}", "trainer.resume=latest")
+    result = subprocess.run(resume, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    last = {r["step"]: r for r in metrics(out)}
+    assert sorted(last)[-1] == saved + 2 and last[saved + 2]["version"] == saved + 2
+    assert last[saved + 2]["cluster/nodes"] == 2

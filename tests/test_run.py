@@ -258,6 +258,9 @@ def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, pro
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=9", "rollout.cpus_per_worker=1")
     with pytest.raises(RunError, match="CPUs requested"):
         Run(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.resources={rollout_node: 1}")
+    with pytest.raises(RunError, match="rollout.resources: 1 of 'rollout_node' requested, the cluster has 0"):
+        Run(cfg)
 
 
 def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

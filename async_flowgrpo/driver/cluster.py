@@ -17,7 +17,7 @@ from unittest import mock
 
 import ray
 import torch
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from async_flowgrpo.actors.rollout import RolloutActor
@@ -183,6 +183,12 @@ def check_resources(cfg: Config) -> None:
         raise RunError(
             f"rollout/trainer/reward .cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
         )
+    for role, name in ((r, "rollout"), (t, "trainer")):
+        for key, amount in role.resources.items():
+            need = sum(x.num_workers * x.resources.get(key, 0) for x in (r, t))
+            if need > total.get(key, 0):
+                raise RunError(f"{name}.resources: {need:g} of '{key}' requested, the cluster has {total.get(key, 0):g} "
+                               f"(a node offers it with `ray start --resources='{{\"{key}\": N}}'`)")
 
 
 def rollout_actor_name(output_dir: str, index: int) -> str:
@@ -199,8 +205,10 @@ def sync_host(cfg: Config) -> str | None:
     return "127.0.0.1" if len(alive) == 1 else None
 
 
-def _bundle(cpus: float, gpus: float) -> dict:
-    return {"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus}
+def _bundle(role) -> dict:
+    """One actor's bundle: its CPUs, GPUs and custom resources (which pick the node it lands on)."""
+    gpus = {"GPU": role.gpus_per_worker} if role.gpus_per_worker else {}
+    return {"CPU": role.cpus_per_worker, **gpus, **role.resources}
 
 
 class Cluster:
@@ -221,8 +229,7 @@ class Cluster:
         self.transport = make_transport(
             cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s, verify=cfg.sync.verify
         )
-        self.bundles = [_bundle(r.cpus_per_worker, r.gpus_per_worker)] * r.num_workers
-        self.bundles += [_bundle(t.cpus_per_worker, t.gpus_per_worker)] * t.num_workers
+        self.bundles = [_bundle(r)] * r.num_workers + [_bundle(t)] * t.num_workers
         self.trainers, self.rollouts, self.reward_actors = [], [], []
         self.rollout_pids: list[int] = []
         self.trainer_pids: list[int] = []
@@ -253,6 +260,10 @@ class Cluster:
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
         self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=cfg.ray.call_timeout_s)
         self.trainer_pids = ray.get([a.pid.remote() for a in self.trainers], timeout=cfg.ray.call_timeout_s)
+
+    def nodes(self) -> int:
+        """How many Ray nodes the run's actors are placed on (rollout and trainer bundles)."""
+        return len(set(placement_group_table(self.placement).get("bundles_to_node_id", {}).values()))
 
     def trainers_gone(self) -> bool:
         """Whether a trainer's process has exited (a Ray started here, whose actors run on this
