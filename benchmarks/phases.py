@@ -5,7 +5,8 @@ Two phases, each with two contenders run interleaved in one process on one model
 
 rollout   ours  = ``DiffusionPolicy.generate`` (Flow-GRPO sampling: SDE window with per-step
                   log-probs recorded, ODE steps outside it, VAE decode to uint8 images)
-          plain = ``StableDiffusion3Pipeline.__call__`` on the *same* pipeline object (same
+          plain = ``StableDiffusion3Pipeline.__call__`` (``WanPipeline.__call__`` for a Wan model,
+                  videos instead of images) on the *same* pipeline object (same
                   transformer, LoRA adapters included, same text encoders and VAE), same prompts,
                   images per prompt, steps, CFG, resolution and T5 length, progress bar off,
                   ``output_type`` pt (decoded; ``--output-type latent`` skips the VAE)
@@ -36,6 +37,7 @@ decode, optimizer step and the rest, and ours' top functions by own time.
     python benchmarks/phases.py --out benchmarks/results/phases/after.json
     python benchmarks/phases.py --real-size                       # random-init wider SD3, ~5 min
     python benchmarks/phases.py --model /path/to/sd3 --prompts 2 --group-size 4 --window 2
+    python benchmarks/phases.py --tiny-wan --steps 10 --window 4                 # the video family
     python benchmarks/phases.py --pool run1.json run2.json --out pooled.json   # rounds of runs as one
     python benchmarks/phases.py --flow-grpo ../flow_grpo --no-uncond-grad       # and the original code
 
@@ -154,10 +156,10 @@ def run_rounds(contenders: dict, rounds: int, warmup: int) -> tuple[dict[str, li
 # ------------------------------------------------------------------------------------------ profile
 # (file suffix, function name) -> bucket; cumulative times, the buckets never nest in each other
 BUCKETS = {
-    "transformer forward": [("transformer_sd3.py", "forward")],
+    "transformer forward": [("transformer_sd3.py", "forward"), ("transformer_wan.py", "forward")],
     "backward": [("autograd/__init__.py", "backward")],
-    "text encoding": [("pipeline_stable_diffusion_3.py", "encode_prompt")],
-    "vae decode": [("autoencoder_kl.py", "decode")],
+    "text encoding": [("pipeline_stable_diffusion_3.py", "encode_prompt"), ("pipeline_wan.py", "encode_prompt")],
+    "vae decode": [("autoencoder_kl.py", "decode"), ("autoencoder_kl_wan.py", "decode")],
     "optimizer step": [("adamw.py", "step"), ("optimizer.py", "wrapper")],
 }
 
@@ -176,7 +178,9 @@ def profile(fn, top: int) -> dict:
         cum = 0.0
         for (file, _, func), (_, _, _, ct, _) in stats.stats.items():
             if any(file.endswith(f) and func == name for f, name in keys):
-                cum = max(cum, ct) if bucket == "optimizer step" else cum + ct
+                # nested entries (the optimizer's wrapper around step; Wan's block forwards inside the
+                # model's, same file): the outermost's cumulative time, not their sum
+                cum = max(cum, ct) if bucket in ("optimizer step", "transformer forward") else cum + ct
         buckets[bucket] = cum
     buckets["rest"] = total - sum(buckets.values())
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
@@ -229,9 +233,12 @@ def rollout_contenders(policy, prompts, args, flow_grpo=None):
             sde_type="sde", window_size=args.window, seed=r,
         )
 
+    per_prompt = ({"num_videos_per_prompt": args.group_size, "num_frames": policy.adapter.num_frames}
+                  if policy.adapter.family == "wan" else {"num_images_per_prompt": args.group_size})
+
     def plain(r):
         pipe(
-            prompt=list(prompts), num_images_per_prompt=args.group_size, num_inference_steps=args.steps,
+            prompt=list(prompts), **per_prompt, num_inference_steps=args.steps,
             guidance_scale=args.cfg, height=res, width=res, output_type=args.output_type,
             max_sequence_length=policy.adapter.max_sequence_length, generator=torch.Generator().manual_seed(r),
         )
@@ -258,9 +265,10 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
 
     # the bare loop's tensors, on the device, built once (they are "the same tensors")
     dev, dt = policy.device, policy.dtype
-    tr = policy.adapter.transformer
+    adapter = policy.adapter
+    tr = adapter.transformer
     n = args.group_size
-    lat = torch.cat([g.latents for g in groups]).to(dev)  # [N, W+1, C, H, W]
+    lat = torch.cat([g.latents for g in groups]).to(dev)  # [N, W+1, C, H, W] ([N, W+1, C, F, h, w] for video)
     sig = groups[0].sigmas.to(dev)
 
     def per_sample(attr):
@@ -282,9 +290,10 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
             e, p = (torch.cat([nemb[sl], emb[sl]]), torch.cat([npooled[sl], pooled[sl]])) if cfg else (emb[sl], pooled[sl])
             for j in range(w):
                 x = lat[sl, j]
-                t = (sig[j] * 1000).expand(x.shape[0] * (2 if cfg else 1))
-                v = tr(hidden_states=torch.cat([x, x]) if cfg else x, timestep=t, encoder_hidden_states=e,
-                       pooled_projections=p, return_dict=False)[0].float()
+                xx = torch.cat([x, x]) if cfg else x
+                t = (sig[j] * adapter.timestep_scale).expand(xx.shape[0])
+                # the family's one transformer call (SD3: + pooled projections; Wan: text sequence only)
+                v = adapter._forward(tr, xx, t, e, p, shape=xx.shape, guidance_scale=args.cfg).float()
                 if cfg:  # flow_grpo's way: one batch [uncond; cond], the uncond half detached (or not)
                     v_uncond, v_cond = v.chunk(2)
                     v_uncond = v_uncond.detach() if args.no_uncond_grad else v_uncond
@@ -378,7 +387,8 @@ def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
 # ------------------------------------------------------------------------------------------ main
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="diffusers SD3 directory (default: the embedded shapes model)")
+    ap.add_argument("--model", default=None, help="diffusers SD3 or Wan directory (default: the embedded shapes model)")
+    ap.add_argument("--tiny-wan", action="store_true", help="the tiny random Wan twin (5 frames of 32 x 32), built here")
     ap.add_argument("--real-size", action="store_true",
                     help="a random-init wider SD3 (REAL_SIZE_SPEC) and scaled-down work (REAL_SIZE_WORK) "
                          "unless given explicitly")
@@ -428,15 +438,23 @@ def main(argv=None) -> dict:
 
     workdir = tempfile.mkdtemp(prefix="phases_")
     try:
-        if args.real_size and args.model is None:
+        if args.tiny_wan:
+            from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+
+            model, model_desc = make_tiny_wan_dir(os.path.join(workdir, "tiny_wan")), {"path": "tiny Wan twin"}
+        elif args.real_size and args.model is None:
             log("building the random-init real-size model")
             model, model_desc = make_real_size_model(workdir), {"real_size_spec": REAL_SIZE_SPEC}
         else:
             model = args.model or EMBEDDED_MODEL
             model_desc = {"path": "embedded" if model == EMBEDDED_MODEL else model}
         policy = DiffusionPolicy(model, dtype=torch.float32, lora_rank=args.lora_rank, lora_alpha=2 * max(args.lora_rank, 1))
-        if policy.adapter.family != "sd3":
-            raise SystemExit("phases.py compares against StableDiffusion3Pipeline: an SD3 model is needed")
+        if policy.adapter.family not in ("sd3", "wan"):
+            raise SystemExit(f"phases.py compares against StableDiffusion3Pipeline or WanPipeline; {model} is "
+                             f"{policy.adapter.family}")
+        if flow_grpo is not None and policy.adapter.family != "sd3":
+            raise SystemExit("--flow-grpo: the original code's pipeline is SD3's; leave it out for Wan")
+        model_desc["family"] = policy.adapter.family
         model_desc["transformer_params_M"] = sum(p.numel() for p in policy.adapter.transformer.parameters()) / 1e6
         prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
         result = {

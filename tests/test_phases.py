@@ -234,3 +234,17 @@ def test_the_flow_grpo_contenders_call_its_two_functions_per_sample_and_per_pass
         assert len(phase["flow_grpo"]["times_s"]) == 1 and phase["vs_flow_grpo"]["ratio_of_medians"] > 0
     with pytest.raises(SystemExit, match="not a flow_grpo checkout"):
         phases.main(["--model", tiny_model_dir, "--flow-grpo", str(tmp_path)])
+
+
+def test_phases_benchmark_times_the_video_family_against_wan_pipeline(phases, tmp_path):
+    """--tiny-wan: ours against WanPipeline.__call__ and a bare loop of Wan transformer passes."""
+    out = tmp_path / "wan.json"
+    phases.main(["--tiny-wan", "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4",
+                 "--micro-batch", "2", "--rounds", "1", "--warmup", "0", "--top", "3", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["model"]["family"] == "wan" and result["samples"] == 4
+    assert result["phases"]["train"]["forward_backward_passes"] == 2 * 2
+    for phase in result["phases"].values():
+        for contender in ("ours", "plain"):
+            assert phase["profile"][contender]["buckets_s"]["transformer forward"] > 0
+    assert result["phases"]["train"]["profile"]["plain"]["buckets_s"]["backward"] > 0
