@@ -98,6 +98,10 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K checkpoints are kept; 0 = keep all
     overwrite: bool = False  # a fresh run into a used output_dir deletes its old results (else: exit 2)
     max_nonfinite_steps: int = 5  # stop after this many consecutive steps whose every update was NaN/inf
+    # > 0: each update takes at least this many seconds (the trainer waits out the rest). For staleness
+    # studies where rollout is the bottleneck: a slower trainer lets rollouts run max_staleness ahead
+    # without changing the update's math (benchmarks/staleness_sweep.py). 0: off
+    min_step_time_s: float = 0.0
     sample_every: int = 10  # steps between saved PNG grids of rollout samples
     # > 0: evaluation and saved weights use an average of the trained weights (async_flowgrpo.ema;
     # Flow-GRPO's train.ema); rollouts sample with the live ones. 0: off
@@ -358,6 +362,7 @@ def validate(c: Config) -> None:
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
     _require(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", "must be >= 1")
+    _require(t.min_step_time_s >= 0, "trainer.min_step_time_s", "must be >= 0 (0 = off)")
     _require(0 <= t.ema_decay < 1, "trainer.ema_decay", "must be in [0, 1) (0 = no weight average)")
     existing = os.path.abspath(t.output_dir)  # the directory itself or the nearest ancestor that exists
     while not os.path.exists(existing) and os.path.dirname(existing) != existing:

@@ -367,6 +367,18 @@ def test_disk_full_finds_the_out_of_space_error_here_or_inside_an_actor():
     assert disk_full(ray.exceptions.RayTaskError("save_weights", "traceback", ValueError("x"))) is None
 
 
+def test_a_paced_trainer_lets_fully_async_reach_its_staleness_bound(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """trainer.min_step_time_s makes the trainer the bottleneck: the queue fills and each batch is
+    as stale as max_staleness allows (what the staleness sweep needs on a rollout-bound machine)."""
+    out = str(tmp_path)
+    run(small_config("fully_async", tiny_model_dir, prompt_file, out, "algorithm.max_staleness=2",
+                     "trainer.min_step_time_s=1.0", "trainer.total_steps=7"))
+    rows = read_metrics(out)
+    assert all(r["staleness/max"] <= 2 for r in rows)
+    assert [r["staleness/mean"] for r in rows[3:]] == [2.0] * 4  # once the queue has filled
+    assert rows[-1]["time_s"] - rows[0]["time_s"] >= 6 * 1.0
+
+
 def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """The checkpoint holds the groups queued (and the tickets in flight) at the last step; the
     resumed run puts them back in the queue instead of dropping them, and its counters balance."""

@@ -91,6 +91,7 @@ class TrainerActor:
             metrics = self.learner.train_step(groups, version) if groups else {}
             if self.ema is not None and metrics.get("samples/trained", 0) > 0:  # not after a skipped (NaN) update
                 self.ema.update()
+            time.sleep(max(0.0, self.cfg.trainer.min_step_time_s - (time.perf_counter() - start)))  # a paced trainer
         if self.rank == 0 and groups:
             self.samples = (torch.cat([g.images for g in groups])[:32], [g.prompt for g in groups for _ in range(g.size)][:32])
         return {**metrics, "perf/trainer_fetch_s": fetch_s, "samples/lost": lost, **self.gpu.read()}
