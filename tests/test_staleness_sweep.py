@@ -1,0 +1,64 @@
+"""benchmarks/staleness_sweep.py: the cells, their overrides and the report on synthetic runs (no launcher)."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def sweep(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # the script imports its siblings
+    spec = importlib.util.spec_from_file_location("staleness_sweep", os.path.join(REPO, "benchmarks", "staleness_sweep.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module.seed_runs, "ROOT", str(tmp_path))
+    return module
+
+
+def fake_cell(sweep, algorithm, eta, correction, seed, accuracies, staleness):
+    """A finished seed_runs run: eval/accuracy at steps 0, 10, 20, ...; staleness/mean at every step."""
+    out = os.path.join(sweep.seed_runs.ROOT, sweep.cell_name("s", algorithm, eta, correction), f"seed{seed}")
+    os.makedirs(out)
+    rows = []
+    for step in range(1, 10 * (len(accuracies) - 1) + 1):
+        row = {"step": step, "reward/mean": 0.5, "staleness/mean": staleness}
+        if step % 10 == 0:
+            row["eval/accuracy"] = accuracies[step // 10]
+        rows.append(row)
+    rows.insert(0, {"step": 0, "eval/accuracy": accuracies[0]})
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump({"command": "python launch/fully_async.py", "seed": seed, "mode": "fully_async", "wall_s": 1.0}, f)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write("eval:\n  guidance_scale: 4.5\n")
+
+
+def test_cells_are_interleaved_and_nft_has_one_per_eta(sweep):
+    cells = sweep.cells(["flow_grpo", "diffusion_nft"], [1, 4], ["none", "step"])
+    assert cells == [("flow_grpo", 1, "none"), ("flow_grpo", 1, "step"), ("flow_grpo", 4, "none"), ("flow_grpo", 4, "step"),
+                     ("diffusion_nft", 1, "-"), ("diffusion_nft", 4, "-")]
+    assert sweep.cell_args("flow_grpo", 4, "none", 1.5, ["trainer.total_steps=10"]) == [
+        "algorithm.max_staleness=4", "trainer.min_step_time_s=1.5", "algorithm.is_correction=none", "trainer.total_steps=10"]
+    assert sweep.cell_args("diffusion_nft", 2, "-", 1.5, [])[:2] == ["config/diffusion_nft.yaml", "algorithm.max_staleness=2"]
+    assert sweep.cell_name("s", "flow_grpo", 8, "step").endswith(os.path.join("flow_grpo", "eta8_step"))
+
+
+def test_report_gives_each_cell_its_rise_and_the_staleness_it_reached(sweep, capsys):
+    fake_cell(sweep, "flow_grpo", 4, "none", 0, [0.6, 0.7, 0.66], staleness=3.8)
+    fake_cell(sweep, "flow_grpo", 4, "none", 1, [0.6, 0.65, 0.70], staleness=3.6)
+    fake_cell(sweep, "flow_grpo", 8, "step", 0, [0.6, 0.62], staleness=4.0)  # did not reach 0.7 x 8
+    fake_cell(sweep, "diffusion_nft", 1, "-", 0, [0.5, 0.7], staleness=1.0)
+    result = sweep.report("s")
+    by = {(c["algorithm"], c["eta"], c["correction"]): c for c in result["cells"]}
+    four = by[("flow_grpo", 4, "none")]
+    assert four["n"] == 2 and four["rise_mean"] == pytest.approx(0.08) and four["rise_worst"] == pytest.approx(0.06)
+    assert four["staleness_reached"] == pytest.approx(3.7)
+    assert by[("diffusion_nft", 1, "-")]["rise_mean"] == pytest.approx(0.2)
+    text = sweep.table(result)
+    assert "| flow_grpo | step | 8 | 4.00 (< 0.7 eta) |" in text and "3.70 |" in text
+    assert os.path.exists(os.path.join(sweep.seed_runs.ROOT, "s", "sweep.json"))
