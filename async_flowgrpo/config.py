@@ -404,6 +404,9 @@ def validate(c: Config) -> None:
                  "an ODE sample is fixed by its initial noise: a group would be n copies of one image; use false")
         _require(r.engine == "diffusers", "rollout.engine", "diffusion_nft rollouts need the diffusers engine for now")
         _require(not t.fsdp, "trainer.fsdp", "diffusion_nft trains replicated weights for now; use false")
+        _require(c.mode != "fully_async" or c.sync.update_point == "between_groups", "sync.update_point",
+                 "diffusion_nft in fully_async needs between_groups: a sample made by two weight versions has no "
+                 "exact old-policy velocity")
         _require(a.nft_beta > 0, "algorithm.nft_beta", "must be > 0")
         _require(0 < a.nft_timestep_fraction <= 1, "algorithm.nft_timestep_fraction", "must be in (0, 1]")
         _require(a.nft_decay_start >= 0, "algorithm.nft_decay_start", "must be >= 0")

@@ -84,6 +84,7 @@ BAD_CONFIGS = [
     (["sync.every=0"], "sync.every"),
     (["sync.bucket_mb=0"], "sync.bucket_mb"),
     (["sync.update_point=mid_air"], "sync.update_point"),
+    (["algorithm.name=diffusion_nft", "sync.update_point=between_steps"], "between_groups"),
     (["reward.weights={nonexistent_reward: 1.0}"], "nonexistent_reward"),
     (["reward.max_consecutive_failures=0"], "reward.max_consecutive_failures"),
     (["logging.wandb_mode=loud"], "logging.wandb_mode"),

@@ -1,6 +1,6 @@
 """The Wan video family end to end on Ray: sync, one_step_off and fully_async on the tiny Wan twin
-(5 frames of 32 x 32) with a video reward, every weight publication digest-verified, and a
-fully_async run resumed from its checkpoint with exact step and sample counts.
+(5 frames of 32 x 32) with a video reward, every weight publication digest-verified, and sync and
+fully_async runs resumed from their checkpoints with exact step and sample counts.
 
 The runs go one after another in one test: starting the actors (imports, model load) is most of
 their cost, and the resume needs the first fully_async run anyway.
@@ -40,10 +40,12 @@ def wan_config(mode, setup, output_dir, *extra):
 def test_wan_in_every_mode_syncs_weights_and_resumes_exactly(ray_cluster, wan_setup, tmp_path):
     synced = str(tmp_path / "sync")
     run(wan_config("sync", wan_setup, synced, "trainer.total_steps=2"))
+    run(wan_config("sync", wan_setup, synced, "trainer.total_steps=3", "trainer.resume=latest"))
     rows = read_metrics(synced)
-    assert [r["step"] for r in rows] == [1, 2] and [r["staleness/max"] for r in rows] == [0, 0]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["staleness/max"] for r in rows] == [0, 0, 0]
     assert all(r["sync/bytes"] > 0 and r["logp/max_abs_diff"] < 1e-4 for r in rows)  # on-policy at every step
-    assert rows[-1]["samples/consumed"] == 2 * BATCH
+    assert rows[-1]["samples/consumed"] == 3 * BATCH
+    assert checkpoint.load(os.path.join(synced, "checkpoints", "step_000003"))["next_ticket"] == 3 * 2  # no group twice
 
     off = str(tmp_path / "one_step_off")
     run(wan_config("one_step_off", wan_setup, off, "trainer.total_steps=2"))

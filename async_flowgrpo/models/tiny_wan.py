@@ -71,3 +71,16 @@ def make_tiny_wan_dir(path: str, **spec_kw) -> str:
     spec = TinyWanSpec(**spec_kw)
     return save_tiny(build_tiny_wan(spec), path, "wan", spec, resolution=spec.resolution,
                      max_sequence_length=spec.max_sequence_length, num_frames=spec.num_frames)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write the tiny random Wan2.1 twin (5 frames of 32 x 32) to a "
+                                             "directory, for CPU runs: model.family=wan model.path=DIR")
+    ap.add_argument("out", help="directory to write (created)")
+    print(make_tiny_wan_dir(ap.parse_args(argv).out))
+
+
+if __name__ == "__main__":
+    main()
