@@ -13,6 +13,7 @@ Each ends with exit 143 (or -9) within 30 s, one line, no Ray process left, and
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import time
@@ -20,7 +21,8 @@ import time
 import pytest
 
 import test_launcher
-from test_fault_injection import Launch, alive, assert_counters, checkpoint_state, last_per_step, unexpected_stderr
+from test_fault_injection import (Launch, _seeds, alive, assert_counters, checkpoint_state, last_per_step,
+                                  unexpected_stderr)
 from test_launcher import ray_processes, small_args
 
 prompt_file = test_launcher.prompt_file  # the fixture: four shape prompts
@@ -30,11 +32,13 @@ TOTAL = 40  # far more steps than the run gets to before the signal
 GRACE_S = 30  # a scheduler's grace period between SIGTERM and SIGKILL
 
 
-def start(tiny_model_dir, prompt_file, tmp_path, what: str) -> tuple[Launch, list[str]]:
+def start(tiny_model_dir, prompt_file, tmp_path, what: str, rows: int = 3, delay_s: float = 0.0) -> tuple[Launch, list[str]]:
+    """The run, `delay_s` after its metrics row `rows`."""
     out = str(tmp_path / "run")
     args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2")
     run = Launch(MODE, args, out, what)
-    assert run.wait_rows(3), run.why("the run ended before its third step")
+    assert run.wait_rows(rows), run.why(f"the run ended before its step {rows}")
+    run.sleep(delay_s)
     run.scan(force=True)
     return run, args
 
@@ -78,8 +82,14 @@ def resume_continues(run: Launch, args: list[str]) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_sigterm_to_the_process_group_stops_with_a_checkpoint_of_the_current_step(tiny_model_dir, prompt_file, tmp_path):
-    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGTERM to the process group")
+@pytest.mark.parametrize("seed", _seeds(default=(0,)))
+def test_sigterm_to_the_process_group_stops_with_a_checkpoint_of_the_current_step(tiny_model_dir, prompt_file, tmp_path, seed):
+    """At a seeded point: after step 1-6, 0-1.5 s into the next (mid-update, mid-rollout, mid-save).
+    A soak: FAULT_SEEDS=0-19 python -m pytest tests/test_cluster_signals.py -k process_group"""
+    rng = random.Random(seed)
+    rows, delay_s = rng.randint(1, 6), round(rng.uniform(0.0, 1.5), 2)
+    run, args = start(tiny_model_dir, prompt_file, tmp_path, f"SIGTERM to the process group after step {rows} + {delay_s} s "
+                      f"(seed {seed})", rows=rows, delay_s=delay_s)
     try:
         t_signal = time.monotonic()
         os.killpg(run.proc.pid, signal.SIGTERM)  # the launcher leads its own group (Launch: a new session)
