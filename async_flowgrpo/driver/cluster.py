@@ -183,12 +183,12 @@ def check_resources(cfg: Config) -> None:
         raise RunError(
             f"rollout/trainer/reward .cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
         )
-    for role, name in ((r, "rollout"), (t, "trainer")):
-        for key, amount in role.resources.items():
-            need = sum(x.num_workers * x.resources.get(key, 0) for x in (r, t))
-            if need > total.get(key, 0):
-                raise RunError(f"{name}.resources: {need:g} of '{key}' requested, the cluster has {total.get(key, 0):g} "
-                               f"(a node offers it with `ray start --resources='{{\"{key}\": N}}'`)")
+    for key in dict.fromkeys([*r.resources, *t.resources]):
+        need = sum(x.num_workers * x.resources.get(key, 0) for x in (r, t))
+        if need > total.get(key, 0):
+            who = "/".join(name for x, name in ((r, "rollout"), (t, "trainer")) if key in x.resources)
+            raise RunError(f"{who}.resources: {need:g} of '{key}' requested, the cluster has {total.get(key, 0):g} "
+                           f"(a node offers it with `ray start --resources='{{\"{key}\": N}}'`)")
 
 
 def rollout_actor_name(output_dir: str, index: int) -> str:
