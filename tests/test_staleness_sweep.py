@@ -62,3 +62,19 @@ def test_report_gives_each_cell_its_rise_and_the_staleness_it_reached(sweep, cap
     text = sweep.table(result)
     assert "| flow_grpo | step | 8 | 4.00 (< 0.7 eta) |" in text and "3.70 |" in text
     assert os.path.exists(os.path.join(sweep.seed_runs.ROOT, "s", "sweep.json"))
+
+
+def test_seed_runs_use_the_eval_reward_where_there_is_no_accuracy(sweep):
+    """A model other than the shapes one (the Wan demo) logs eval/reward only: the rise is of that."""
+    fake_cell(sweep, "flow_grpo", 1, "none", 0, [0.6, 0.7], staleness=1.0)
+    run_dir = os.path.join(sweep.seed_runs.ROOT, sweep.cell_name("s", "flow_grpo", 1, "none"), "seed0")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = [json.loads(line) for line in open(path)]
+    for r in rows:
+        if "eval/accuracy" in r:
+            r["eval/reward"] = r.pop("eval/accuracy") + 0.25
+    with open(path, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    run = sweep.seed_runs.summarize_run(run_dir)
+    assert run["eval_metric"] == "eval/reward" and run["rise"] == pytest.approx(0.1)
+    assert run["eval_accuracy"] == {0: 0.85, 10: 0.95}
