@@ -401,3 +401,19 @@ class RunCpuSampler:
         if start is None or end is None or end["t"] - start["t"] < 2 * self.interval:
             return None
         return self.monitor.cores(start, end)
+
+
+def prune_run_outputs(out: str) -> None:
+    """What a benchmark keeps of a finished run: no checkpoints (MBs of weights), no lock, and of the
+    sample grids only the first and last evaluation's."""
+    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    if os.path.exists(os.path.join(out, ".lock")):
+        os.remove(os.path.join(out, ".lock"))
+    samples = os.path.join(out, "samples")
+    if not os.path.isdir(samples):
+        return
+    grids = sorted(f for f in os.listdir(samples) if f.startswith("eval_"))
+    for f in os.listdir(samples):
+        if f not in grids[:1] + grids[-1:]:
+            os.remove(os.path.join(samples, f))
+

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log  # noqa: E402
+from common import REPO, RESULTS, log, prune_run_outputs  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "seed_runs")
 MODES = ("sync", "one_step_off", "fully_async")
@@ -76,13 +76,7 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
     final_at = {str(g): evaluate_final(out, args, g, env) for g in other_cfg}
-    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # weights: MBs per run, not needed
-    if os.path.exists(os.path.join(out, ".lock")):
-        os.remove(os.path.join(out, ".lock"))
-    grids = sorted(f for f in os.listdir(os.path.join(out, "samples")) if f.startswith("eval_"))
-    for f in os.listdir(os.path.join(out, "samples")):
-        if f not in (grids[:1] + grids[-1:]):
-            os.remove(os.path.join(out, "samples", f))
+    prune_run_outputs(out)
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
                    "mode": mode, "wall_s": round(wall, 1),

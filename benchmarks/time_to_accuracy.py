@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, split_overrides, write_json  # noqa: E402
+from common import REPO, RESULTS, log, prune_run_outputs, split_overrides, write_json  # noqa: E402
 from seed_runs import MODES, finished, read_metrics  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "time_to_accuracy")
@@ -68,7 +68,7 @@ def run_cell(out: str, algorithm: str, mode: str, seed: int, args: list[str]) ->
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"{out}: exit {proc.returncode}: {' | '.join(tail)}")
-    shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)  # weights: not needed for the report
+    prune_run_outputs(out)
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
                    "mode": mode, "algorithm": algorithm, "wall_s": round(wall, 1)}, f, indent=1)
