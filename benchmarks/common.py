@@ -416,4 +416,3 @@ def prune_run_outputs(out: str) -> None:
     for f in os.listdir(samples):
         if f not in grids[:1] + grids[-1:]:
             os.remove(os.path.join(samples, f))
-
