@@ -368,8 +368,10 @@ def test_disk_full_finds_the_out_of_space_error_here_or_inside_an_actor():
 
 
 def test_a_paced_trainer_lets_fully_async_reach_its_staleness_bound(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    """trainer.min_step_time_s makes the trainer the bottleneck: the queue fills and each batch is
-    as stale as max_staleness allows (what the staleness sweep needs on a rollout-bound machine)."""
+    """trainer.min_step_time_s: every update takes at least that long, and with the trainer the
+    slower side the queue fills and each batch is as stale as max_staleness allows (what the
+    staleness sweep needs on a rollout-bound machine; the tiny test model's trainer is the slower
+    side even unpaced, so the pacing itself is checked by the clock)."""
     out = str(tmp_path)
     run(small_config("fully_async", tiny_model_dir, prompt_file, out, "algorithm.max_staleness=2",
                      "trainer.min_step_time_s=1.0", "trainer.total_steps=7"))
