@@ -45,3 +45,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) or item.module.__name__.rsplit(".", 1)[-1] in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+def load_benchmark(name: str, monkeypatch):
+    """benchmarks/<name>.py as a module (the scripts import their siblings, so benchmarks/ goes on the path)."""
+    import importlib.util
+
+    benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    monkeypatch.syspath_prepend(benchmarks)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(benchmarks, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,20 +1,16 @@
 """benchmarks/staleness_sweep.py: the cells, their overrides and the report on synthetic runs (no launcher)."""
 
-import importlib.util
 import json
 import os
 
 import pytest
+from conftest import load_benchmark
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def sweep(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # the script imports its siblings
-    spec = importlib.util.spec_from_file_location("staleness_sweep", os.path.join(REPO, "benchmarks", "staleness_sweep.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("staleness_sweep", monkeypatch)
     monkeypatch.setattr(module.seed_runs, "ROOT", str(tmp_path))
     return module
 

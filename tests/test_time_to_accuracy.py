@@ -1,21 +1,17 @@
 """benchmarks/time_to_accuracy.py: the bookkeeping on synthetic runs (no launcher, no timing)."""
 
-import importlib.util
 import json
 import os
 import sys
 
 import pytest
+from conftest import load_benchmark
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
 def tta(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(os.path.join(REPO, "benchmarks"))  # the script imports its siblings
-    spec = importlib.util.spec_from_file_location("time_to_accuracy", os.path.join(REPO, "benchmarks", "time_to_accuracy.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("time_to_accuracy", monkeypatch)
     monkeypatch.setattr(module, "ROOT", str(tmp_path))
     return module
 

@@ -234,6 +234,7 @@ class Cluster:
         self.rollout_pids: list[int] = []
         self.trainer_pids: list[int] = []
         self.restarts = 0  # rollout actors Ray restarted
+        self.nodes = 0  # see _count_nodes
         self._last_stats: dict[int, dict] = {}  # rollout actor -> its last counters (see rollout_stats)
         self.placement = placement_group(self.bundles, strategy="PACK")
 
@@ -260,10 +261,12 @@ class Cluster:
         ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
         self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=cfg.ray.call_timeout_s)
         self.trainer_pids = ray.get([a.pid.remote() for a in self.trainers], timeout=cfg.ray.call_timeout_s)
+        self._count_nodes()
 
-    def nodes(self) -> int:
-        """How many Ray nodes the run's actors are placed on (rollout and trainer bundles)."""
-        return len(set(placement_group_table(self.placement).get("bundles_to_node_id", {}).values()))
+    def _count_nodes(self) -> None:
+        """How many Ray nodes the run's actors are placed on (rollout and trainer bundles); looked up
+        at start and after a restart, the only times a bundle can move."""
+        self.nodes = len(set(placement_group_table(self.placement).get("bundles_to_node_id", {}).values()))
 
     def trainers_gone(self) -> bool:
         """Whether a trainer's process has exited (a Ray started here, whose actors run on this
@@ -289,6 +292,7 @@ class Cluster:
         if pid != self.rollout_pids[index]:
             self.restarts += 1
             self.rollout_pids[index] = pid
+            self._count_nodes()
 
     def _wait_alive(self, actor) -> int:
         """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers

@@ -361,7 +361,7 @@ class Run:
             "rewards/skipped_groups": self.skipped_groups,
             "train/nonfinite_steps": self.nonfinite.steps,
             "rollout/restarts": self.cluster.restarts,
-            "cluster/nodes": self.cluster.nodes(),
+            "cluster/nodes": self.cluster.nodes,
             "rollout/lost_groups": self.lost_groups,
             "samples/lost": self.lost_samples,
         }
