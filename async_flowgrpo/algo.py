@@ -142,17 +142,6 @@ def sde_window(
     return start, start + window_size
 
 
-def mirror_halves(noise: Tensor, group_size: int) -> Tensor:
-    """Antithetic noise: in each group of `group_size` consecutive rows, row n/2 + k gets minus row
-    k's noise (the first half is kept as drawn). With a shared start, the policy-gradient terms of
-    a mirrored pair add up to (A_k - A_{n/2+k}) * eps_k: a pair with equal rewards cancels instead
-    of adding a random direction, and one that differs gives a finite-difference estimate along eps."""
-    if group_size % 2:
-        raise ValueError(f"antithetic noise needs an even group size, got {group_size}")
-    grouped = noise.reshape(-1, 2, group_size // 2, *noise.shape[1:])
-    return torch.cat([grouped[:, :1], -grouped[:, :1]], dim=1).reshape(noise.shape)
-
-
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor,

@@ -63,9 +63,6 @@ class RolloutConfig:
     sde_window_size: int = 0  # recorded stochastic steps; 0 = all but the last (original Flow-GRPO)
     sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
-    # the group's second half takes minus the first half's window noise (mirrored pairs, algo.mirror_halves):
-    # a pair with equal rewards cancels in the policy gradient instead of adding noise to it
-    antithetic_noise: bool = False
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
     # frames per video (video families: wan), rollouts and evaluation; 0 = the model's own
     # (<model.path>/async_flowgrpo.json, else 81). num_frames - 1 must be a multiple of the VAE's temporal factor (Wan: 4)
@@ -401,16 +398,10 @@ def validate(c: Config) -> None:
     _choice(r.sampler, "rollout.sampler", ("sde", "ode"))
     if a.name == "flow_grpo":
         _require(r.sampler == "sde", "rollout.sampler", "flow_grpo trains on the log-probs of an SDE window; use sde")
-        if r.antithetic_noise:
-            _require(r.group_size % 2 == 0, "rollout.group_size",
-                     f"{r.group_size}: rollout.antithetic_noise pairs the samples of a group; use an even size")
-            _require(r.shared_initial_noise, "rollout.antithetic_noise",
-                     "a mirrored pair only cancels from one start; set rollout.shared_initial_noise=true")
     else:
         _require(r.sampler == "ode", "rollout.sampler", "diffusion_nft trains on final latents of ODE samples; use ode")
         _require(not r.shared_initial_noise, "rollout.shared_initial_noise",
                  "an ODE sample is fixed by its initial noise: a group would be n copies of one image; use false")
-        _require(not r.antithetic_noise, "rollout.antithetic_noise", "mirrors SDE window noise; an ODE sample has none")
         _require(r.engine == "diffusers", "rollout.engine", "diffusion_nft rollouts need the diffusers engine for now")
         _require(not t.fsdp, "trainer.fsdp", "diffusion_nft trains replicated weights for now; use false")
         _require(c.mode != "fully_async" or c.sync.update_point == "between_groups", "sync.update_point",

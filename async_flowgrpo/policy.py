@@ -158,7 +158,6 @@ class DiffusionPolicy:
         window_size: int,
         window_range: tuple[int, int] | None = None,
         shared_initial_noise: bool = False,
-        antithetic_noise: bool = False,
         seed: int,
         height: int | None = None,
         width: int | None = None,
@@ -215,10 +214,7 @@ class DiffusionPolicy:
                 if start <= i < end:
                     if i == start:
                         recorded.append(x)
-                    eps = torch.randn(x.shape, generator=gen)
-                    if antithetic_noise:
-                        eps = algo.mirror_halves(eps, group_size)
-                    eps = eps.to(self.device)
+                    eps = torch.randn(x.shape, generator=gen).to(self.device)
                     x, log_prob, _, _ = algo.sde_step(
                         v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, sde_type=sde_type, noise=eps
                     )

@@ -20,7 +20,6 @@ def rollout_sampling(r: RolloutConfig) -> dict:
         window_size=0 if r.sampler == "ode" else r.sde_window_size or r.num_steps - 1,  # 0: ODE, final latent
         window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
         shared_initial_noise=r.shared_initial_noise,
-        antithetic_noise=r.antithetic_noise,
         height=r.resolution or None,
         width=r.resolution or None,
     )

@@ -545,13 +545,3 @@ def test_lr_factor_warmup_then_decay():
     assert {algo.lr_factor(s, schedule="constant", total_steps=100) for s in range(100)} == {1.0}
     with pytest.raises(ValueError, match="lr schedule"):
         algo.lr_factor(0, schedule="step")
-
-
-def test_mirror_halves_negates_the_second_half_of_each_group():
-    noise = torch.randn(12, 3, 2)  # 2 groups of 6
-    mirrored = algo.mirror_halves(noise, 6)
-    for g in range(2):
-        first, second = mirrored[6 * g : 6 * g + 3], mirrored[6 * g + 3 : 6 * g + 6]
-        assert torch.equal(first, noise[6 * g : 6 * g + 3]) and torch.equal(second, -first)
-    with pytest.raises(ValueError, match="even group size"):
-        algo.mirror_halves(noise, 3)

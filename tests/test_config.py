@@ -53,8 +53,6 @@ BAD_CONFIGS = [
     (["rollout.sde_window_size=4", "rollout.sde_window_range=[0,2]"], "rollout.sde_window_size"),
     (["rollout.sde_type=ode"], "rollout.sde_type"),
     (["rollout.noise_level=0"], "rollout.noise_level"),
-    (["rollout.antithetic_noise=true", "rollout.group_size=7"], "rollout.group_size"),
-    (["rollout.antithetic_noise=true", "rollout.shared_initial_noise=false"], "rollout.antithetic_noise"),
     (["rollout.engine=tensorrt"], "rollout.engine"),
     (["rollout.resolution=30"], "rollout.resolution"),
     (["rollout.prompts=/no/such/prompts.txt"], "rollout.prompts"),

@@ -151,7 +151,6 @@ def test_config_selects_nft_in_every_mode(model_dir):
     (["algorithm.name=diffusion_nft", "algorithm.nft_beta=0"], "algorithm.nft_beta"),
     (["algorithm.name=diffusion_nft", "algorithm.nft_decay_max=1"], "algorithm.nft_decay_max"),
     (["algorithm.name=diffusion_nft", "rollout.shared_initial_noise=true"], "rollout.shared_initial_noise"),
-    (["algorithm.name=diffusion_nft", "rollout.antithetic_noise=true"], "rollout.antithetic_noise"),
 ])
 def test_bad_nft_config_is_one_line_naming_the_key(args, key):
     from async_flowgrpo.config import ConfigError

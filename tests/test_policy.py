@@ -109,20 +109,6 @@ def test_shared_initial_noise_differs_only_by_the_window_noise(policy):
     assert not torch.equal(independent[0].latents[0, 0], independent[0].latents[1, 0])
 
 
-def test_antithetic_noise_mirrors_the_first_step_around_its_mean(policy):
-    """From one start the first window step's mean is the same for the whole group, so a mirrored
-    pair lands symmetrically around it (equal sums, equal log-probs); the first half is the sample
-    drawn without mirroring."""
-    kw = dict(seed=7, window_size=2, window_range=(0, 2), n=4, shared_initial_noise=True)
-    mirrored, plain = gen(policy, antithetic_noise=True, **kw), gen(policy, **kw)
-    for g, p in zip(mirrored, plain):
-        first = g.latents[:, 1]  # after the window's first step
-        torch.testing.assert_close(first[0] + first[2], first[1] + first[3], atol=1e-5, rtol=0)
-        assert not torch.allclose(first[0], first[1])
-        torch.testing.assert_close(g.log_probs[:2, 0], g.log_probs[2:, 0], atol=1e-6, rtol=0)
-        assert torch.equal(g.latents[:2], p.latents[:2]) and not torch.equal(g.latents[2:], p.latents[2:])
-
-
 def test_version_fn_is_called_before_each_step_and_stamped(policy):
     calls = []
 

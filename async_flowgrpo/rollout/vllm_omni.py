@@ -123,7 +123,7 @@ def denoise_and_record(
 
     velocity_fn(x [n, *latent_shape] float32, i) -> velocity (float32) at sigmas[i].
     spec: our request spec (see `build_requests`): seed, batch_index, batch_prompts, group_size,
-    num_steps, noise_level, sde_type, window_size, window_range, shared_initial_noise, antithetic_noise. One CPU generator seeded by
+    num_steps, noise_level, sde_type, window_size, window_range, shared_initial_noise. One CPU generator seeded by
     `seed` draws, in order, the window, the initial noise and each window step's noise, for the
     whole batch of batch_prompts * n samples as DiffusionPolicy does; this request keeps the rows
     of its prompt, so it reproduces that prompt's group of a diffusers-engine batch.
@@ -152,10 +152,7 @@ def denoise_and_record(
         if start <= i < end:
             if i == start:
                 recorded.append(x.cpu())
-            eps = torch.randn(full, generator=gen)[rows]
-            if spec.get("antithetic_noise"):  # as DiffusionPolicy mirrors it: within this prompt's rows
-                eps = algo.mirror_halves(eps, n)
-            eps = eps.to(device)
+            eps = torch.randn(full, generator=gen)[rows].to(device)
             x, log_prob, _, _ = algo.sde_step(
                 v, x, sigmas[i], sigmas[i + 1], noise_level=float(spec["noise_level"]), sde_type=spec["sde_type"],
                 noise=eps,
@@ -243,7 +240,6 @@ def build_requests(
     window_size: int,
     window_range: tuple[int, int] | None = None,
     shared_initial_noise: bool = False,
-    antithetic_noise: bool = False,
     height: int | None = None,
     width: int | None = None,
     prompt_indices: list[int] | None = None,
@@ -276,7 +272,6 @@ def build_requests(
             "window_size": int(window_size),
             "window_range": list(window_range) if window_range is not None else None,
             "shared_initial_noise": bool(shared_initial_noise),
-            "antithetic_noise": bool(antithetic_noise),
             "version": int(version),
         }
         sampling = {
@@ -650,7 +645,6 @@ class VllmOmniEngine:
         window_size: int,
         window_range: tuple[int, int] | None = None,
         shared_initial_noise: bool = False,
-        antithetic_noise: bool = False,
         height: int | None = None,
         width: int | None = None,
         prompt_indices: list[int] | None = None,
@@ -671,7 +665,6 @@ class VllmOmniEngine:
             window_size=window_size,
             window_range=window_range,
             shared_initial_noise=shared_initial_noise,
-            antithetic_noise=antithetic_noise,
             height=height,
             width=width,
             prompt_indices=prompt_indices,
