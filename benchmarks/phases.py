@@ -21,8 +21,9 @@ With ``--flow-grpo DIR`` (a local checkout of github.com/yifan123/flow_grpo; not
 this repository) each phase has a third contender, the original Flow-GRPO code on the same
 pipeline object: its ``pipeline_with_logprob`` for the rollout, and its train_sd3.py inner loop
 (``compute_log_prob`` around its ``sde_step_with_logprob``, clipped-ratio loss, backward; re-typed
-in ``flow_grpo_train``) for the trainer step. Pass ``--no-uncond-grad`` with it: its trainer does
-not differentiate the unconditional CFG half either.
+in ``flow_grpo_train``) for the trainer step. Its trainer differentiates both CFG halves (as ours
+with ``algorithm.uncond_grad=true``); ``--no-uncond-grad`` detaches the unconditional half in all
+three, the work of our default.
 
 Every round runs every contender, alternating which goes first (ABBA), after ``--warmup``
 unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the
@@ -345,7 +346,8 @@ def flow_grpo_rollout(flow_grpo, policy, prompts, args):
 
 def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
     """Its train_sd3.py inner loop, re-typed: per micro-batch and trained step, `compute_log_prob`
-    (one CFG batch [uncond; cond], the unconditional half detached, its `sde_step_with_logprob`
+    (one CFG batch [uncond; cond], differentiated through both halves as its trainer does, or with
+    the unconditional half detached under --no-uncond-grad; its `sde_step_with_logprob`
     against the recorded next latent), the clipped-ratio policy loss (beta 0) and backward; one
     clipped AdamW step per batch (its accelerate accumulation spans the batch)."""
     import torch
@@ -369,7 +371,7 @@ def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
                 v = tr(hidden_states=torch.cat([x, x]), timestep=torch.cat([timesteps[sl, j]] * 2), encoder_hidden_states=e,
                        pooled_projections=p, return_dict=False)[0]
                 v_uncond, v_cond = v.chunk(2)
-                v_uncond = v_uncond.detach()
+                v_uncond = v_uncond.detach() if args.no_uncond_grad else v_uncond
                 v = v_uncond + args.cfg * (v_cond - v_uncond)
                 _, log_prob, _, _ = sde_step_with_logprob(pipe.scheduler, v.float(), timesteps[sl, j], x.float(),
                                                           prev_sample=lat[sl, j + 1].float(), noise_level=args.noise_level)
