@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -47,13 +49,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-def load_benchmark(name: str, monkeypatch):
-    """benchmarks/<name>.py as a module (the scripts import their siblings, so benchmarks/ goes on the path)."""
-    import importlib.util
-
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module, registered in sys.modules (dataclasses and pickling by value
+    look it up there); benchmarks/ goes on the path, as the scripts import their siblings."""
     benchmarks = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    monkeypatch.syspath_prepend(benchmarks)
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
     spec = importlib.util.spec_from_file_location(name, os.path.join(benchmarks, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module

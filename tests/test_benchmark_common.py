@@ -1,24 +1,18 @@
 """benchmarks/common.py: what every benchmark script shares."""
 
-import importlib.util
-import os
 import signal
 from types import SimpleNamespace
 
 import pytest
+from conftest import load_benchmark
 
 from async_flowgrpo.driver.cluster import RunError
 from async_flowgrpo.stop import Stopped
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture
 def common():
-    spec = importlib.util.spec_from_file_location("common", os.path.join(REPO, "benchmarks", "common.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("common")
 
 
 @pytest.mark.parametrize("error, code, says", [

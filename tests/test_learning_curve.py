@@ -1,23 +1,14 @@
 """benchmarks/learning_curve.py: combining invocations run in parallel (one seed each)."""
 
-import importlib.util
 import json
-import os
-import sys
 
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def learning_curve():
-    sys.path.insert(0, os.path.join(REPO, "benchmarks"))  # the script imports its sibling `common`
-    spec = importlib.util.spec_from_file_location("learning_curve", os.path.join(REPO, "benchmarks", "learning_curve.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
-    sys.path.remove(os.path.join(REPO, "benchmarks"))
+    return load_benchmark("learning_curve")
 
 
 def fake_run(seed: int, rise: float) -> dict:

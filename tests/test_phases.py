@@ -10,18 +10,16 @@
 - benchmarks/phases.py runs end to end on a tiny model and writes its JSON.
 """
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_benchmark
 import torch
 
 from async_flowgrpo import algo
 from async_flowgrpo.learner import Learner
 from async_flowgrpo.policy import DiffusionPolicy
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 5
 CFG = 4.5
 
@@ -155,10 +153,7 @@ def test_train_step_gradient_matches_the_per_pair_reference_across_updates(polic
 
 @pytest.fixture(scope="module")
 def phases():
-    spec = importlib.util.spec_from_file_location("phases", os.path.join(REPO, "benchmarks", "phases.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("phases")
 
 
 def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path):

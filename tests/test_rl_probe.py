@@ -1,23 +1,17 @@
 """benchmarks/rl_probe.py: its "side" and "left" rewards and one end-to-end step on a tiny random model."""
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_benchmark
 import torch
 
 from async_flowgrpo.shapes.scenes import ObjectSpec, Placed, SceneSpec, draw
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def rl_probe():
-    spec = importlib.util.spec_from_file_location("rl_probe", os.path.join(REPO, "benchmarks", "rl_probe.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("rl_probe")
 
 
 def scene_meta(color: str) -> dict:

@@ -1,24 +1,17 @@
 """benchmarks/scale_sim.py: stand-in actors of set costs driven by the real fully_async loop."""
 
-import importlib.util
-import os
 import pickle
 import sys
 
 import pytest
+from conftest import load_benchmark
 import ray
 import torch
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def scale_sim():
-    spec = importlib.util.spec_from_file_location("scale_sim", os.path.join(REPO, "benchmarks", "scale_sim.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["scale_sim"] = module  # dataclasses need it; the module then registers itself for pickling by value
-    spec.loader.exec_module(module)
-    yield module
+    yield load_benchmark("scale_sim")  # registered in sys.modules: the module then registers itself for pickling by value
     sys.modules.pop("scale_sim", None)
 
 

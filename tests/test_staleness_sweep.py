@@ -7,10 +7,9 @@ import pytest
 from conftest import load_benchmark
 
 
-
 @pytest.fixture
 def sweep(tmp_path, monkeypatch):
-    module = load_benchmark("staleness_sweep", monkeypatch)
+    module = load_benchmark("staleness_sweep")
     monkeypatch.setattr(module.seed_runs, "ROOT", str(tmp_path))
     return module
 

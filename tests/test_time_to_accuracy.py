@@ -2,16 +2,14 @@
 
 import json
 import os
-import sys
 
 import pytest
 from conftest import load_benchmark
 
 
-
 @pytest.fixture
 def tta(tmp_path, monkeypatch):
-    module = load_benchmark("time_to_accuracy", monkeypatch)
+    module = load_benchmark("time_to_accuracy")
     monkeypatch.setattr(module, "ROOT", str(tmp_path))
     return module
 
