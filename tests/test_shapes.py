@@ -323,8 +323,9 @@ def test_evaluation_reports_accuracy_overall_and_per_prompt_kind(tmp_path):
 
 def test_reward_score_modes_follow_the_checks():
     """'correct' is the evaluation's all-checks-right, 'checks' the fraction of checks right,
-    'partial' the graded mean. Three red circles asked as two pass colour and shape and fail
-    count: 'partial' still pays 0.83 for them, 'checks' 2/3, 'correct' nothing."""
+    'partial' the graded mean, 'graded' 1 when right and half the partial credit when wrong. Three
+    red circles asked as two pass colour and shape and fail count: 'partial' still pays 0.83 for
+    them, 'checks' 2/3, 'graded' 0.42, 'correct' nothing."""
     rng = random.Random(3)
     asked = caption_to_spec("two red circles")
     images = torch.from_numpy(np.stack([render(asked, rng), render(caption_to_spec("three red circles"), rng)]))
@@ -337,5 +338,7 @@ def test_reward_score_modes_follow_the_checks():
     assert correct["score"].tolist() == [1.0, 0.0] and torch.equal(correct["score"], partial["correct"])
     assert checks["score"].tolist() == pytest.approx([1.0, 2 / 3])
     assert partial["score"].tolist() == pytest.approx([1.0, (1 + 1 + 0.5) / 3])
+    graded = shapes_reward(images, prompts, meta, score="graded")
+    assert graded["score"].tolist() == pytest.approx([1.0, 0.5 * (1 + 1 + 0.5) / 3])
     with pytest.raises(ValueError, match="score must be one of"):
         shapes_reward(images, prompts, meta, score="best")

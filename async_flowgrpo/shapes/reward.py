@@ -267,7 +267,10 @@ def to_uint8_hwc(images: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 # What "score" (the reward RL optimises) is made of; the components and checks are returned either way.
-SCORES = ("partial", "checks", "correct")
+SCORES = ("partial", "checks", "correct", "graded")
+# "graded": a wrong image earns at most this share of its partial credit, so every right image
+# outranks every wrong one and a group where all are wrong still ranks its members.
+GRADED_WRONG_MAX = 0.5
 
 
 def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
@@ -280,7 +283,9 @@ def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict]
     evaluation counts, so it cannot be raised by breaking one check to pass another; the one that
     raised held-out accuracy on the embedded default), "partial" (mean of the graded components:
     the most gradient, but it can be raised by trading one check for another, e.g. extra objects
-    for surer colours) or "checks" (fraction of the applicable 0/1 checks right)."""
+    for surer colours), "checks" (fraction of the applicable 0/1 checks right) or "graded" (1 when
+    correct, else GRADED_WRONG_MAX x the partial credit: the evaluation's ranking first, the
+    partial credit only among wrong images)."""
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
     imgs = to_uint8_hwc(images)
@@ -295,6 +300,8 @@ def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict]
         elif score == "checks":
             checks = CHECKS[:4] if spec.relation is not None else CHECKS[:3]
             row["score"] = sum(row[k] for k in checks) / len(checks)
+        elif score == "graded" and not row["correct"]:
+            row["score"] *= GRADED_WRONG_MAX
     keys = ("score",) + COMPONENTS + CHECKS
     return {k: torch.tensor([r[k] for r in rows], dtype=torch.float32) for k in keys}
 
