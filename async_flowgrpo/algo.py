@@ -348,7 +348,7 @@ def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, wa
     `warmup_steps`, then constant, or a cosine or linear decay that reaches `min_ratio` at `total_steps`.
 
     Why a decay: with a few prompts per step an update is mostly noise (on the embedded default the
-    two half-batches' gradients have a cosine of about 0.01, `grad/half_cos`), so at a constant lr
+    gradients of independent batches have a cosine of about 0.0001, benchmarks/grad_signal.py), so at a constant lr
     the adapter keeps random-walking after the signal is used and the held-out gain drifts back;
     a decaying lr lets the late updates average out instead (docs/results.md, "Learning").
     """

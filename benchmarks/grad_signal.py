@@ -1,0 +1,107 @@
+#!/usr/bin/env python
+"""How much of one update's gradient is signal? Measured in-process (no Ray) at the config's base
+weights, for either algorithm, with the run's own rollouts, rewards and advantages.
+
+N independent batches (the config's groups_per_step x group_size each, prompts drawn as a rollout
+actor draws them) are generated and each one's gradient is taken exactly as an update takes it;
+no optimizer step is applied, so every gradient is at the same weights. Write a batch gradient
+g_i = s + n_i (s: the expected gradient, n_i: its noise). For independent batches
+E[cos(g_i, g_j)] ~ |s|^2 / (|s|^2 + E|n|^2): the share of a batch gradient's squared norm that is
+signal, the same for every batch. Reported: the mean over all pairs, with a jackknife standard
+error over batches (pairs that share a batch are not independent). JSON to
+benchmarks/results/grad_signal/<name>.json.
+
+    python benchmarks/grad_signal.py --name flow_grpo                                  # about 5 min
+    python benchmarks/grad_signal.py --name diffusion_nft config/diffusion_nft.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import RESULTS, load_mode_config, log, write_json  # noqa: E402
+
+import torch  # noqa: E402
+
+
+def signal_share(grads: list[torch.Tensor]) -> tuple[float, float]:
+    """Mean pairwise cosine of the batch gradients and its jackknife standard error over batches."""
+    n = len(grads)
+    if n < 3:
+        raise ValueError(f"need at least 3 batches for a standard error, got {n}")
+    flat = torch.nn.functional.normalize(torch.stack([g.double() for g in grads]), dim=1)
+    cos = flat @ flat.T
+    off_diagonal = cos - torch.diag(torch.diag(cos))
+    total = float(off_diagonal.sum()) / 2  # each pair once
+    mean = total / (n * (n - 1) / 2)
+    leave_out = (total - off_diagonal.sum(dim=1)) / ((n - 1) * (n - 2) / 2)  # batch k and its pairs left out
+    se = float(((n - 1) / n * ((leave_out - leave_out.mean()) ** 2).sum()) ** 0.5)
+    return mean, se
+
+
+def batch_gradient(learner, groups, version: int = 0) -> torch.Tensor:
+    """The flattened gradient the learner's update would step with on `groups` (its first mini-batch),
+    leaving the weights as they are."""
+    captured = []
+    step = learner.optimizer.step
+    learner.optimizer.step = lambda *a, **k: captured.append(torch.cat([p.grad.detach().flatten() for p in learner.params]))
+    try:
+        learner.train_step(groups, version=version)
+    finally:
+        learner.optimizer.step = step
+    return captured[0]
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap.add_argument("--name", default="default", help="results go to benchmarks/results/grad_signal/NAME.json")
+    ap.add_argument("--batches", type=int, default=200, help="independent batches (pairs: N(N-1)/2)")
+    ap.add_argument("--seed", type=int, default=1000, help="rollout seed: prompts and noise")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "grad_signal"), help="folder for NAME.json")
+    ap.add_argument("overrides", nargs="*", help="YAML files and key=value config overrides (on config/sync.yaml)")
+    a = ap.parse_args(argv)
+    if a.batches < 3:
+        ap.error("--batches must be >= 3")
+    torch.set_num_threads(1)
+    torch.manual_seed(a.seed)
+
+    from async_flowgrpo import algo
+    from async_flowgrpo.builders import build_learner
+    from async_flowgrpo.rollout.engine import DiffusersEngine
+    from async_flowgrpo.rollout.worker import RolloutWorker
+
+    cfg = load_mode_config("sync", [f"rollout.seed={a.seed}", *a.overrides])
+    t0 = time.perf_counter()
+    learner = build_learner(cfg)
+    worker = RolloutWorker(cfg, engine=DiffusersEngine(learner.policy, update_point="between_groups"))
+    per_step, grads, rewards = cfg.rollout.groups_per_step, [], []
+    for b in range(a.batches):
+        groups = worker.generate(list(range(b * per_step, (b + 1) * per_step)))
+        batch_rewards = torch.cat([g.rewards for g in groups])
+        ids = torch.arange(len(groups)).repeat_interleave(cfg.rollout.group_size)
+        adv, _ = algo.group_advantages(batch_rewards, ids, global_std=cfg.algorithm.global_std, mean_only=cfg.algorithm.mean_only)
+        for k, g in enumerate(groups):
+            g.advantages = adv[ids == k]
+        grads.append(batch_gradient(learner, groups))
+        rewards.append(float(batch_rewards.mean()))
+        log(f"batch {b}: reward {rewards[-1]:.3f}, gradient norm {float(grads[-1].norm()):.3g}")
+    mean, se = signal_share(grads)
+    result = {"command": " ".join(["python benchmarks/grad_signal.py", *(argv if argv is not None else sys.argv[1:])]),
+              "algorithm": cfg.algorithm.name, "batches": a.batches, "samples_per_batch": cfg.batch_size,
+              "mean_cos": mean, "se": se, "reward_mean": sum(rewards) / len(rewards),
+              "wall_s": round(time.perf_counter() - t0, 1)}
+    path = os.path.join(a.out, f"{a.name}.json")
+    write_json(path, result)
+    log(f"{cfg.algorithm.name}: mean cosine between batch gradients {mean:.4f} (jackknife SE {se:.4f}, "
+        f"{a.batches} batches of {cfg.batch_size}); wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
