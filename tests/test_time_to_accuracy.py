@@ -66,6 +66,16 @@ def test_report_merges_cells_with_mean_se_and_ratio_to_sync(tta, tmp_path, capsy
     assert os.path.getsize(tmp_path / "p.png") > 0
     text = capsys.readouterr().out
     assert "fully_async 0.30x" in text and "not reached" in text
+    # one rise per algorithm, each on its own evaluation: DiffusionNFT's 0.4 -> 0.45 reaches + 0.05
+    tta.main(["report", "t", "--target-rise", "flow_grpo=0.1,diffusion_nft=0.05", "--plot", str(tmp_path / "p.png")])
+    summary = json.load(open(tmp_path / "t" / "summary.json"))
+    assert summary["target_rise"] == {"flow_grpo": 0.1, "diffusion_nft": 0.05}
+    assert summary["cells"]["diffusion_nft"]["fully_async"]["reached"] == 1
+    assert summary["cells"]["flow_grpo"]["sync"]["time_to_target_mean_s"] == 250.0
+    for bad in ("flow_grpo=0.1", "fast=0.1,flow_grpo=0.1,diffusion_nft=0.1", "lots"):
+        with pytest.raises(SystemExit):
+            tta.main(["report", "t", "--target-rise", bad])
+        assert "--target-rise" in capsys.readouterr().err
 
 
 def test_run_skips_finished_cells_and_interleaves(tta, monkeypatch):
