@@ -258,6 +258,21 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def set_group_advantages(groups, a) -> "torch.Tensor":
+    """In-process training (no driver): each group's `advantages` from the batch's rewards, as the
+    driver's make_batch computes them (algorithm config `a`). Returns the batch's rewards."""
+    import torch
+
+    from async_flowgrpo import algo
+
+    rewards = torch.cat([g.rewards for g in groups])
+    group_ids = torch.cat([torch.full((g.size,), i) for i, g in enumerate(groups)])
+    advantages, _ = algo.group_advantages(rewards, group_ids, global_std=a.global_std, mean_only=a.mean_only)
+    for i, g in enumerate(groups):
+        g.advantages = advantages[group_ids == i]
+    return rewards
+
+
 def write_json(path: str, obj) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:

@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS, load_mode_config, log, write_json  # noqa: E402
+from common import RESULTS, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -71,7 +71,6 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
 
-    from async_flowgrpo import algo
     from async_flowgrpo.builders import build_learner
     from async_flowgrpo.rollout.engine import DiffusersEngine
     from async_flowgrpo.rollout.worker import RolloutWorker
@@ -83,11 +82,7 @@ def main(argv=None) -> dict:
     per_step, grads, rewards = cfg.rollout.groups_per_step, [], []
     for b in range(a.batches):
         groups = worker.generate(list(range(b * per_step, (b + 1) * per_step)))
-        batch_rewards = torch.cat([g.rewards for g in groups])
-        ids = torch.arange(len(groups)).repeat_interleave(cfg.rollout.group_size)
-        adv, _ = algo.group_advantages(batch_rewards, ids, global_std=cfg.algorithm.global_std, mean_only=cfg.algorithm.mean_only)
-        for k, g in enumerate(groups):
-            g.advantages = adv[ids == k]
+        batch_rewards = set_group_advantages(groups, cfg.algorithm)
         grads.append(batch_gradient(learner, groups))
         rewards.append(float(batch_rewards.mean()))
         log(f"batch {b}: reward {rewards[-1]:.3f}, gradient norm {float(grads[-1].norm()):.3g}")

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS, load_mode_config, log, write_json  # noqa: E402
+from common import RESULTS, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -79,7 +79,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(a.seed)
 
-    from async_flowgrpo import algo
     from async_flowgrpo.builders import build_learner
     from async_flowgrpo.rollout.engine import DiffusersEngine
     from async_flowgrpo.rollout.worker import RolloutWorker
@@ -94,11 +93,7 @@ def main(argv=None) -> None:
         weights.append({k: t.clone() for k, t in learner.policy.trainable_state().items()})
         worker.engine.load_weights(weights[-1], v)
         groups = worker.generate(list(range(v * per_step, (v + 1) * per_step)))
-        rewards = torch.cat([g.rewards for g in groups])
-        ids = torch.arange(len(groups)).repeat_interleave(cfg.rollout.group_size)
-        adv, _ = algo.group_advantages(rewards, ids, global_std=cfg.algorithm.global_std, mean_only=cfg.algorithm.mean_only)
-        for k, g in enumerate(groups):
-            g.advantages = adv[ids == k]
+        set_group_advantages(groups, cfg.algorithm)
         batches.append(groups)
         if v < a.updates:
             m = learner.train_step(groups, version=v)

@@ -39,11 +39,10 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (puts the repository on sys.path, sets the offline environment)
-from common import RESULTS, log  # noqa: E402
+from common import RESULTS, log, set_group_advantages  # noqa: E402
 
 import torch  # noqa: E402
 
-from async_flowgrpo import algo  # noqa: E402
 from async_flowgrpo.evaluation import evaluate_policy  # noqa: E402
 from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.rewards import CombinedReward, register_reward  # noqa: E402
@@ -171,17 +170,12 @@ def run(args, cfg, probe_path: str) -> dict:
         groups = generate_with_sampling_weights(learner, [p.text for p in batch], r.group_size, sampling,
                                                 seed=r.seed * 1_000_003 + step, version=step - 1,
                                                 metadata=[p.metadata for p in batch])
-        scores, corrects = [], []
+        corrects = []
         for g, p in zip(groups, batch):
             score, components = reward(g.images, [p.text] * g.size, [p.metadata] * g.size)
             g.rewards = score
-            scores.append(score)
             corrects.append(components.get("correct", torch.zeros(g.size)))
-        rewards = torch.cat(scores)
-        group_ids = torch.arange(len(groups)).repeat_interleave(r.group_size)
-        advantages, _ = algo.group_advantages(rewards, group_ids, global_std=a.global_std, mean_only=a.mean_only)
-        for i, g in enumerate(groups):
-            g.advantages = advantages[group_ids == i]
+        rewards = set_group_advantages(groups, a)
         learner.train_step(groups, version=step - 1)
         curve.append({"step": step, "reward": rewards.mean().item(), "correct": torch.cat(corrects).mean().item()})
         if step % 10 == 0:
