@@ -30,12 +30,13 @@ def model_dtype(cfg: Config) -> torch.dtype | None:
     return DTYPES.get(cfg.model.dtype)  # "auto" -> None: the policy picks bf16 on CUDA, fp32 on CPU
 
 
-def build_policy(cfg: Config, **kwargs):
+def build_policy(cfg: Config, adapter=None, **kwargs):
+    """adapter: a model already built in memory, used instead of loading model.path."""
     from async_flowgrpo.policy import DiffusionPolicy
 
     kwargs.setdefault("dtype", model_dtype(cfg))
     policy = DiffusionPolicy(
-        resolve_model_path(cfg.model.path),
+        adapter if adapter is not None else resolve_model_path(cfg.model.path),
         device="cuda" if torch.cuda.is_available() else "cpu",
         lora_rank=cfg.model.lora_rank,
         lora_alpha=cfg.model.lora_alpha,
@@ -59,8 +60,9 @@ def build_engine(cfg: Config, update_point: str):
     return DiffusersEngine(build_policy(cfg), update_point=update_point)
 
 
-def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
-    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh)."""
+def build_learner(cfg: Config, grad_all_reduce=None, adapter=None) -> Learner | NFTLearner:
+    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh).
+    adapter: as in build_policy."""
     from async_flowgrpo import fsdp
     from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
@@ -68,11 +70,18 @@ def build_learner(cfg: Config, grad_all_reduce=None) -> Learner | NFTLearner:
     from async_flowgrpo.policy import default_dtype
 
     a, t = cfg.algorithm, cfg.trainer
-    # sharded: fp32 master weights; FSDP casts them to the model dtype (bf16 on CUDA) to compute
-    master = {"dtype": torch.float32} if t.fsdp else {}
-    policy = build_policy(cfg, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, **master)
+    # Trained weights are kept in fp32: Adam's small updates round away in bf16 (LoRA's adapters
+    # are cast to fp32 by the policy). Full fine-tuning therefore holds fp32 master weights and
+    # computes in the model dtype: FSDP casts them when it gathers, otherwise autocast does.
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    compute_dtype = model_dtype(cfg) or default_dtype(device)
+    master = {}
     if t.fsdp:
-        compute_dtype = model_dtype(cfg) or default_dtype(policy.device)
+        master = {"dtype": torch.float32}
+    elif cfg.model.lora_rank == 0 and compute_dtype != torch.float32:
+        master = {"dtype": torch.float32, "autocast_dtype": compute_dtype}
+    policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, **master)
+    if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
     # what both learners take: the optimizer, batching and the data-parallel reduce

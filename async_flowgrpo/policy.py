@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from async_flowgrpo import algo
 from async_flowgrpo.models import load_adapter
+from async_flowgrpo.models.base import FamilyAdapter
 from async_flowgrpo.types import Group, SamplingParams
 
 
@@ -41,24 +42,35 @@ def _own(t: Tensor) -> Tensor:
 class DiffusionPolicy:
     def __init__(
         self,
-        model_path: str,
+        model_path: str | FamilyAdapter,
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        autocast_dtype: torch.dtype | None = None,
         lora_rank: int = 32,
         lora_alpha: int = 64,
         lora_init_seed: int = 0,
         reference_copy: bool = False,
         num_frames: int = 0,
     ):
-        """lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
+        """model_path: a model directory, or an adapter already built in memory (benchmarks/gpu.py's
+        real-size models with random weights), moved here to device and dtype. autocast_dtype:
+        compute in this dtype under torch.autocast while the weights stay in `dtype` (full
+        fine-tuning on a GPU: fp32 master weights, bf16 matmuls); bf16 or fp16 weights imply it. lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
         matrices identical in every process that builds the policy (trainers and rollout actors
         start equal without a weight sync). reference_copy keeps a frozen copy of the initial
         transformer for the KL term of full fine-tuning (LoRA needs none: adapters off). num_frames
         > 0: frames per video of a video family (0: the model's own)."""
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
-        self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype, num_frames=num_frames)
+        # Low-precision weights compute under autocast too: the LoRA adapters are fp32 (for Adam),
+        # and without autocast peft runs them as fp32 matmuls on fp32 copies of every activation.
+        low = self.dtype if self.dtype in (torch.bfloat16, torch.float16) else None
+        self.autocast_dtype = autocast_dtype or low
+        if isinstance(model_path, FamilyAdapter):
+            self.adapter = model_path.to(self.device, self.dtype)
+        else:
+            self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype, num_frames=num_frames)
         self.lora_rank = lora_rank
         for module in self.adapter.frozen_modules:
             module.requires_grad_(False).eval()
@@ -89,6 +101,13 @@ class DiffusionPolicy:
             )
         # Adam updates of bf16 LoRA weights would round away; keep the trainable ones in fp32
         cast_training_params(transformer, dtype=torch.float32)
+
+    def _velocity(self, *args, **kwargs) -> Tensor:
+        """adapter.velocity, under autocast when the policy computes in a lower dtype than it stores."""
+        if self.autocast_dtype is None:
+            return self.adapter.velocity(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype):
+            return self.adapter.velocity(*args, **kwargs)
 
     # ---------------------------------------------------------------- weights
 
@@ -210,7 +229,7 @@ class DiffusionPolicy:
             version = int(version_fn())  # outside no_grad: the hook may copy new weights in
             step_versions.append(version)
             with torch.no_grad():
-                v = self.adapter.velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
+                v = self._velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
                 if start <= i < end:
                     if i == start:
                         recorded.append(x)
@@ -291,9 +310,9 @@ class DiffusionPolicy:
         x = x.to(self.device, torch.float32)
         guidance = guidance_scale if getattr(self.adapter, "guidance_distilled", False) else 1.0
         if not reference:
-            return self.adapter.velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance)
+            return self._velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance)
         with torch.no_grad(), self._reference_transformer() as ref:
-            return self.adapter.velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance, transformer=ref)
+            return self._velocity(x, sigma, prompt_embeds, pooled, guidance_scale=guidance, transformer=ref)
 
     def recompute(
         self,
@@ -322,11 +341,11 @@ class DiffusionPolicy:
         x_next = latents_next.to(self.device, torch.float32)
         cond = (prompt_embeds, pooled, neg_embeds, neg_pooled)
         step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next)
-        v = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale, uncond_grad=uncond_grad)
+        v = self._velocity(x, sigma, *cond, guidance_scale=guidance_scale, uncond_grad=uncond_grad)
         _, log_prob, mean, std = algo.sde_step(v, x, sigma, sigma_next, **step)
         ref_mean = None
         if with_ref:
             with torch.no_grad(), self._reference_transformer() as ref:
-                v_ref = self.adapter.velocity(x, sigma, *cond, guidance_scale=guidance_scale, transformer=ref)
+                v_ref = self._velocity(x, sigma, *cond, guidance_scale=guidance_scale, transformer=ref)
                 ref_mean = algo.sde_step(v_ref, x, sigma, sigma_next, **step)[2]
         return log_prob, mean, std, ref_mean

@@ -214,3 +214,35 @@ def test_sd3_without_uncond_grad_runs_the_unconditional_half_without_a_graph(pol
                 p.copy_(s)
     torch.testing.assert_close(g_split, g_alone, rtol=1e-4, atol=1e-7)
     torch.testing.assert_close(v_split, v_batched, rtol=0, atol=0)  # no graph: one batched forward either way
+
+
+def test_bf16_policy_computes_under_autocast_and_recompute_still_matches(model_dir):
+    """bf16 weights imply autocast (the fp32 LoRA adapters then run as bf16 matmuls, not fp32 ones:
+    10% of a rollout on an H200, docs/gpu.md); rollout and recompute go through the same forward."""
+    policy = DiffusionPolicy(model_dir, dtype=torch.bfloat16, lora_rank=4, lora_alpha=8)
+    assert policy.autocast_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in policy.trainable_parameters())  # Adam's precision
+    seen = []
+    hook = policy.adapter.transformer.register_forward_hook(lambda m, a, out: seen.append(torch.is_autocast_enabled("cpu")))
+    try:
+        g = gen(policy, seed=5, n=2)[0]
+        log_prob = recompute(policy, [(g, 0, 0), (g, 1, 3)])[0]
+    finally:
+        hook.remove()
+    assert seen and all(seen)
+    torch.testing.assert_close(log_prob.detach(), torch.stack([g.log_probs[0, 0], g.log_probs[1, 3]]), rtol=0, atol=1e-4)
+    assert DiffusionPolicy(model_dir, lora_rank=4, lora_alpha=8).autocast_dtype is None  # fp32 on CPU: no autocast
+
+
+def test_policy_takes_an_adapter_built_in_memory(model_dir):
+    """benchmarks/gpu.py builds real-size models without files: the adapter is moved and cast, and
+    its cached device and dtype follow."""
+    from async_flowgrpo.models import load_adapter
+
+    adapter = load_adapter(model_dir, device="cpu", dtype=torch.float32)
+    assert adapter.dtype == torch.float32  # cached now
+    policy = DiffusionPolicy(adapter, dtype=torch.bfloat16, lora_rank=4, lora_alpha=8)
+    assert policy.adapter is adapter and adapter.dtype == torch.bfloat16
+    assert adapter.pipeline.vae.dtype == torch.bfloat16
+    g = gen(policy, seed=1, n=1)[0]
+    assert g.images.shape == (1, 32, 32, 3)

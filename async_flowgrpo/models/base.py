@@ -89,6 +89,12 @@ class FamilyAdapter(TransformerPlacement):
     def _configure(self, settings: dict) -> None:
         pass
 
+    def to(self, device: torch.device, dtype: torch.dtype) -> FamilyAdapter:
+        """Move and cast the whole pipeline (an adapter built in memory, not loaded)."""
+        self.pipeline.to(device, dtype)
+        self._placement = None  # look device and dtype up afresh
+        return self
+
     # ---------------------------------------------------------------- modules
 
     @property

@@ -37,7 +37,6 @@ from async_flowgrpo.config import SYNC_BUCKET_MB, SYNC_TIMEOUT_S
 from .base import DigestMismatchError, ReceiveResult, Receiver, SendResult, Sender, SyncStats, digest
 from .engine import WeightReceiver, WeightSender
 from .group import GroupAddress, WeightSyncGroup, free_port, new_address, node_ip, rendezvous_store
-from .object_store import ObjectStoreReceiver, ObjectStoreSender
 
 TRANSPORTS = ("collective", "object_store")
 
@@ -55,11 +54,15 @@ class Transport:
     def sender(self) -> Sender:
         if self.name == "collective":
             return WeightSender(self.bucket_mb, self.timeout_s, self.device, self.verify)
+        from .object_store import ObjectStoreSender  # imports ray: only where that transport is chosen
+
         return ObjectStoreSender(self.timeout_s, self.verify)
 
     def receiver(self) -> Receiver:
         if self.name == "collective":
             return WeightReceiver(self.bucket_mb, self.timeout_s, self.device, self.verify)
+        from .object_store import ObjectStoreReceiver
+
         return ObjectStoreReceiver(self.timeout_s, self.device, self.verify)
 
 

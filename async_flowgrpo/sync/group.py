@@ -117,6 +117,8 @@ class WeightSyncGroup:
     ):
         self.address, self.rank, self.world_size = address, rank, world_size
         self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda" and self.device.index is None:  # NCCL needs the index ("cuda" failed on a GPU)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         timeout = datetime.timedelta(seconds=timeout_s)
         # wait_for_workers=False: the backend's own rendezvous below waits for everybody.
         listener = _listeners.pop(address.port, None) if rank == 0 else None

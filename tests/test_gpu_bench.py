@@ -1,0 +1,85 @@
+"""benchmarks/gpu.py on CPU with its tiny shape: every section's bookkeeping (no timing asserted),
+the full fine-tuning fix it found (fp32 master weights under bf16 autocast) and the plain classes
+importing without Ray (the GPU machine has no Ray)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import load_benchmark
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return load_benchmark("gpu")
+
+
+def test_tiny_run_fills_every_section(gpu, tmp_path):
+    out = tmp_path / "gpu.json"
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--embedded-steps", "1",
+                       "--out", str(out)])
+    assert result["errors"] == {}
+    assert json.loads(out.read_text())["shape"] == "tiny"  # saved as it went
+    n = 2 * 8
+    for key in ("pipeline", "rollout", "train_lora_micro4_checkpointing", "train_lora_micro4", "train_lora_micro16",
+                "train_full"):
+        r = result[key]
+        assert r["images"] == n and r["images_per_s"] > 0 and len(r["seconds"]) == 1, key
+    assert result["rollout"]["flops_per_image"] > result["pipeline"]["flops_per_image"] > 0  # + the adapters
+    assert result["rollout_adapters_off"]["images_per_s"] > 0
+    # model FLOPs are counted once, without checkpointing, and shared by the LoRA measurements
+    flops = {result[k]["model_flops_per_step"] for k in ("train_lora_micro4_checkpointing", "train_lora_micro4",
+                                                          "train_lora_micro16")}
+    assert len(flops) == 1 and flops.pop() > 0
+    full = result["train_full"]
+    assert full["master_dtype"] == "torch.float32" and full["autocast_dtype"] == "torch.bfloat16" and full["weights_changed"]
+    engine = result["engine"]
+    assert engine["bit_exact"] and engine["backend"] == "gloo" and engine["bytes"] > 0
+    assert result["embedded"]["cpu"]["samples_per_s"] > 0 and result["embedded"]["cpu"]["steps"] == 1
+
+
+def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_path):
+    """Adam's updates of bf16 weights round away: with model.dtype bfloat16 and LoRA off, the
+    learner's weights are fp32 and the forward runs under bf16 autocast (before: bf16 weights)."""
+    import torch
+
+    from async_flowgrpo.builders import build_learner
+    from async_flowgrpo.config import load_config
+    from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
+
+    model = make_tiny_model_dir(str(tmp_path / "m"))
+    cfg = load_config("sync", [f"model.path={model}", "model.lora_rank=0", "model.dtype=bfloat16", "algorithm.beta=0",
+                               "trainer.lr=1e-6", "rollout.sde_window_range=null"])
+    learner = build_learner(cfg)
+    policy = learner.policy
+    assert policy.dtype == torch.float32 and policy.autocast_dtype == torch.bfloat16
+    groups = policy.generate(["a red circle", "a blue square"], 2, num_steps=4, guidance_scale=4.5, noise_level=0.7,
+                             sde_type="sde", window_size=2, seed=0)
+    for g in groups:
+        g.advantages = torch.tensor([1.0, -1.0])
+    before = {k: v.clone() for k, v in policy.trainable_state().items()}
+    learner.train_step(groups, version=0)
+    after = policy.trainable_state()
+    # a 1e-6 step moves fp32 weights; in bf16 (8 bits of mantissa) nearly all of it would round away
+    changed = sum(int((after[k] != v).sum()) for k, v in before.items())
+    assert changed > 0.5 * sum(v.numel() for v in before.values())
+
+
+def test_plain_classes_import_without_ray():
+    code = ("import sys; sys.modules['ray'] = None; sys.modules['wandb'] = None\n"
+            "import async_flowgrpo.sync, async_flowgrpo.builders, async_flowgrpo.learner, async_flowgrpo.policy\n"
+            "async_flowgrpo.sync.make_transport('collective').sender()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_autocast_ab_interleaves_both_settings(gpu, tmp_path):
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "2", "--autocast-ab", "--out", str(tmp_path / "ab.json")])
+    ab = result["autocast_ab"]
+    assert result["errors"] == {} and set(ab) == {"torch.bfloat16", "None"}
+    assert all(len(row["rollout_s"]) == len(row["train_s"]) == 2 for row in ab.values())
+    assert "rollout" not in result and "train_full" not in result  # that section alone
