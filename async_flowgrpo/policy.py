@@ -101,6 +101,12 @@ class DiffusionPolicy:
             )
         # Adam updates of bf16 LoRA weights would round away; keep the trainable ones in fp32
         cast_training_params(transformer, dtype=torch.float32)
+        if self.autocast_dtype is not None:
+            # autocast runs the adapters' matmuls in its dtype anyway: peft's cast of each
+            # activation to the adapters' fp32 would only copy it there and back (same values)
+            for module in transformer.modules():
+                if hasattr(module, "cast_input_dtype_enabled"):
+                    module.cast_input_dtype_enabled = False
 
     def _velocity(self, *args, **kwargs) -> Tensor:
         """adapter.velocity, under autocast when the policy computes in a lower dtype than it stores."""

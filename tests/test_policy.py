@@ -233,6 +233,21 @@ def test_bf16_policy_computes_under_autocast_and_recompute_still_matches(model_d
     torch.testing.assert_close(log_prob.detach(), torch.stack([g.log_probs[0, 0], g.log_probs[1, 3]]), rtol=0, atol=1e-4)
     assert DiffusionPolicy(model_dir, lora_rank=4, lora_alpha=8).autocast_dtype is None  # fp32 on CPU: no autocast
 
+    # peft's cast of the activations to the adapters' fp32 is off under autocast: same values
+    lora_layers = [m for m in policy.adapter.transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert lora_layers and not any(m.cast_input_dtype_enabled for m in lora_layers)
+    with torch.no_grad():
+        for p in policy.trainable_parameters():  # B = 0 at init would hide the adapters' path
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    x, sigma = g.latents[:, 1], g.sigmas[1].expand(g.size)
+    cond = (g.prompt_embeds.expand(g.size, *g.prompt_embeds.shape), g.pooled_prompt_embeds.expand(g.size, -1))
+    with torch.no_grad():
+        without_cast = policy.velocity(x, sigma, *cond)
+        for m in lora_layers:
+            m.cast_input_dtype_enabled = True
+        with_cast = policy.velocity(x, sigma, *cond)
+    assert torch.equal(without_cast, with_cast)
+
 
 def test_policy_takes_an_adapter_built_in_memory(model_dir):
     """benchmarks/gpu.py builds real-size models without files: the adapter is moved and cast, and
