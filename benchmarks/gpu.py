@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""GPU smoke and speed: a real-size SD3.5-Medium-shaped model with random weights, in one process.
+"""GPU smoke and speed: real-size model shapes with random weights, in one process.
 
-No download: the transformer (24 MMDiT blocks, 1536 wide, dual attention in blocks 0-12, qk
-RMSNorm), the 16-channel VAE and both CLIP text encoders are built from their configs with random
-weights; T5 is left out, as the embedded model does, so the pipeline pads its 256 tokens with
-zeros (the transformer still sees 77 + 256 text tokens). Settings are
-config/model/sd35_medium.yaml's (512 px, 10 steps, CFG 4.5, SDE window 4, LoRA rank 32, beta
-0.04, bf16) on a smaller batch. Measured, in this order:
+No download: each shape's transformer and VAE are built from the public checkpoint's config with
+random weights. `--shape` picks SD3.5-Medium (default), FLUX.1-dev (12 B), Qwen-Image (20 B) or
+Wan2.1-T2V-1.3B (33 frames at 480 x 480). Text encoders are stand-ins of one or two layers at the
+width the transformer takes (SD3's two CLIPs at full size; T5 left out, as in the embedded model,
+so the pipeline pads its 256 tokens with zeros): the transformer sees real-size inputs, and text
+encoding, once per batch, is cheaper than with the real encoders. Settings are the family's
+config/model/*.yaml (512 px, 10 steps, CFG, SDE window, LoRA rank 32, bf16) on a smaller batch.
+Measured, in this order:
 
 1. the bf16 matmul ceiling of this device (8192^3, the MFU denominator beside the datasheet's);
 2. a plain diffusers pipeline call (same model, steps, CFG and batch) against our rollout
@@ -24,7 +26,8 @@ FLOPs are counted by torch's FlopCounterMode over one call (matmuls, attention, 
 model FLOPs only: with gradient checkpointing off. Each section's result, or its error, is
 written to the JSON as soon as it is known, so a failure loses nothing measured before it.
 
-    python benchmarks/gpu.py                                   # on a GPU (~4 min on an H100)
+    python benchmarks/gpu.py                                   # SD3.5-Medium on a GPU (~4 min on an H200)
+    python benchmarks/gpu.py --shape flux_dev --skip-embedded  # another family (no full fine-tuning at 12 B)
     python benchmarks/gpu.py --shape tiny --device cpu --repeats 1 --skip-embedded   # the same code, tiny (tests)
 
 Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
@@ -33,10 +36,12 @@ Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 
@@ -50,29 +55,63 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from async_flowgrpo.builders import build_learner  # noqa: E402
 from async_flowgrpo.config import load_config  # noqa: E402
-from async_flowgrpo.models.sd3 import SD3Adapter  # noqa: E402
+from async_flowgrpo.models import adapter_class  # noqa: E402
 from async_flowgrpo.sampling import rollout_sampling  # noqa: E402
 
 # Dense bf16 peaks from the vendors' datasheets (TFLOP/s, SXM parts); MFU is also given against
 # the matmul rate measured on the device, which is what a kernel can reach.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
-# name -> (transformer, VAE block widths, CLIP-L and CLIP-G (hidden, layers, heads), T5 tokens, pixels)
+# Real-size shapes (the public checkpoints' transformer configs) and tiny twins of each for the
+# tests. `text`: the stand-in text encoders' widths (they must match the transformer's inputs; their
+# depth is 1-2 layers, except SD3's CLIP pair at full size); `vae`: real-size VAE unless given.
+SD35_MEDIUM = dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24, attention_head_dim=64,
+                   num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                   pooled_projection_dim=2048, pos_embed_max_size=384, dual_attention_layers=tuple(range(13)),
+                   qk_norm="rms_norm")
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+WAN21_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
+                  text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                  qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+
+
+def _tiny(config: dict, **sizes) -> dict:
+    return {**config, **sizes}
+
+
 SHAPES = {
-    "sd35_medium": dict(
-        transformer=dict(sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=24,
-                         attention_head_dim=64, num_attention_heads=24, joint_attention_dim=4096,
-                         caption_projection_dim=1536, pooled_projection_dim=2048, pos_embed_max_size=384,
-                         dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
-        vae_channels=(128, 256, 512, 512), clip=((768, 12, 12), (1280, 32, 20)), t5_tokens=256, resolution=512,
-    ),
-    "tiny": dict(
-        transformer=dict(sample_size=8, patch_size=2, in_channels=16, out_channels=16, num_layers=2,
-                         attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
-                         caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=16,
-                         dual_attention_layers=(0,), qk_norm="rms_norm"),
-        vae_channels=(32, 32, 32, 32), clip=((32, 1, 2), (32, 1, 2)), t5_tokens=4, resolution=64,
-    ),
+    "sd35_medium": dict(family="sd3", config="sd35_medium", transformer=SD35_MEDIUM, clip=((768, 12, 12), (1280, 32, 20)),
+                        vae=dict(block_out_channels=(128, 256, 512, 512)), text_tokens=256, resolution=512),
+    # full fine-tuning needs 16 bytes a parameter (fp32 weights, gradients, Adam): 190 and 320 GB here
+    "flux_dev": dict(family="flux", config="flux_dev", transformer=FLUX_DEV, text_tokens=512, resolution=512,
+                     full_fine_tuning=False),
+    "qwen_image": dict(family="qwen_image", config="qwen_image", transformer=QWEN_IMAGE, text_tokens=512, resolution=512,
+                       full_fine_tuning=False),
+    "wan21_1_3b": dict(family="wan", config="wan21_t2v_1_3b", transformer=WAN21_1_3B, text_tokens=512, resolution=480,
+                       num_frames=33),
+    # tiny twins: the same code on CPU in seconds (tests)
+    "tiny": dict(family="sd3", config="sd35_medium", clip=((32, 1, 2), (32, 1, 2)), text_tokens=4, resolution=64,
+                 transformer=_tiny(SD35_MEDIUM, sample_size=8, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+                                   joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
+                                   pos_embed_max_size=16, dual_attention_layers=(0,)),
+                 vae=dict(block_out_channels=(32, 32, 32, 32))),
+    "tiny_flux": dict(family="flux", config="flux_dev", text_tokens=8, resolution=64,
+                      transformer=_tiny(FLUX_DEV, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                        axes_dims_rope=(4, 6, 6)),
+                      vae=dict(block_out_channels=(32, 32, 32, 32))),
+    "tiny_qwen_image": dict(family="qwen_image", config="qwen_image", text_tokens=16, resolution=64,
+                            transformer=_tiny(QWEN_IMAGE, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                                              joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+                            vae=dict(base_dim=8)),
+    "tiny_wan": dict(family="wan", config="wan21_t2v_1_3b", text_tokens=8, resolution=64, num_frames=5,
+                     transformer=_tiny(WAN21_1_3B, num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=32,
+                                       ffn_dim=48, num_layers=1, rope_max_seq_len=32),
+                     vae=dict(base_dim=8)),
 }
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a yellow star above a purple circle",
            "three blue squares"]
@@ -95,52 +134,142 @@ def parse_args(argv):
 
 # ---------------------------------------------------------------- model
 
-def build_pipeline(shape: dict, device: torch.device):
-    """A StableDiffusion3Pipeline of `shape` with random weights, built on `device` in fp32."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+@contextlib.contextmanager
+def building(device: torch.device, dtype: torch.dtype):
+    """Parameters created on `device` in `dtype` (a 20 B model never exists in fp32 on the CPU)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def text_width(shape: dict) -> int:
+    t = shape["transformer"]
+    return t.get("joint_attention_dim") or t["text_dim"]
+
+
+def build_pipeline(shape: dict):
+    """The family's diffusers pipeline at `shape`, random weights, on the current default device
+    and dtype. Text encoders and tokenizers are the tiny models' stand-ins at the transformer's
+    input widths (SD3's two CLIPs at full size); transformer and VAE from their real configs."""
+    import diffusers
 
     from async_flowgrpo.models.tiny import build_tokenizer
 
-    vocab = tuple(sorted({w for p in PROMPTS for w in p.split()}))
-    tokenizers = [build_tokenizer(vocab, 77) for _ in shape["clip"]]
-
-    def clip(hidden, layers, heads):
-        return CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=len(tokenizers[0]), hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-            num_attention_heads=heads, max_position_embeddings=77, projection_dim=hidden, hidden_act="gelu",
-            pad_token_id=0, bos_token_id=2, eos_token_id=3))
-
     torch.manual_seed(0)
-    blocks = len(shape["vae_channels"])
-    with torch.device(device):
-        pipe = StableDiffusion3Pipeline(
-            transformer=SD3Transformer2DModel(**shape["transformer"]),
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            vae=AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * blocks,
-                              up_block_types=("UpDecoderBlock2D",) * blocks, block_out_channels=shape["vae_channels"],
-                              layers_per_block=2, latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609,
-                              use_quant_conv=False, use_post_quant_conv=False),
+    family, vocab = shape["family"], tuple(sorted({w for p in PROMPTS for w in p.split()}))
+    if family == "sd3":
+        from transformers import CLIPTextConfig, CLIPTextModelWithProjection
+
+        tokenizers = [build_tokenizer(vocab, 77) for _ in shape["clip"]]
+
+        def clip(hidden, layers, heads):
+            return CLIPTextModelWithProjection(CLIPTextConfig(
+                vocab_size=len(tokenizers[0]), hidden_size=hidden, intermediate_size=4 * hidden,
+                num_hidden_layers=layers, num_attention_heads=heads, max_position_embeddings=77, projection_dim=hidden,
+                hidden_act="gelu", pad_token_id=0, bos_token_id=2, eos_token_id=3))
+
+        return diffusers.StableDiffusion3Pipeline(
+            transformer=diffusers.SD3Transformer2DModel(**shape["transformer"]),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=sd3_style_vae(shape, scaling_factor=1.5305, shift_factor=0.0609),
             text_encoder=clip(*shape["clip"][0]), tokenizer=tokenizers[0],
-            text_encoder_2=clip(*shape["clip"][1]), tokenizer_2=tokenizers[1],
-            text_encoder_3=None, tokenizer_3=None,
-        )
-    return pipe
+            text_encoder_2=clip(*shape["clip"][1]), tokenizer_2=tokenizers[1], text_encoder_3=None, tokenizer_3=None)
+    # the tiny builders make the text side and scheduler; transformer and VAE are replaced (a
+    # pipeline's __init__ derives its scale factors from the VAE, so it is built anew)
+    if family == "flux":
+        from async_flowgrpo.models.tiny_flux import TinyFluxSpec, build_tiny_flux
+
+        t = shape["transformer"]
+        pipe = build_tiny_flux(TinyFluxSpec(vocab=vocab, resolution=shape["resolution"], clip_hidden=t["pooled_projection_dim"],
+                                            t5_hidden=t["joint_attention_dim"], t5_max_length=shape["text_tokens"]))
+        parts = dict(transformer=diffusers.FluxTransformer2DModel(**t),
+                     vae=sd3_style_vae(shape, scaling_factor=0.3611, shift_factor=0.1159))
+    elif family == "qwen_image":
+        from async_flowgrpo.models.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image
+
+        width = text_width(shape)
+        pipe = build_tiny_qwen_image(TinyQwenImageSpec(vocab=vocab, text_hidden=width, text_layers=1,
+                                                       text_heads=max(2, width // 128), max_sequence_length=shape["text_tokens"]))
+        parts = dict(transformer=diffusers.QwenImageTransformer2DModel(**shape["transformer"]),
+                     vae=diffusers.AutoencoderKLQwenImage(**shape.get("vae", {})))
+    elif family == "wan":
+        from async_flowgrpo.models.tiny_wan import TinyWanSpec, build_tiny_wan
+
+        pipe = build_tiny_wan(TinyWanSpec(vocab=vocab, text_hidden=text_width(shape), max_sequence_length=shape["text_tokens"]))
+        parts = dict(transformer=diffusers.WanTransformer3DModel(**shape["transformer"]),
+                     vae=diffusers.AutoencoderKLWan(**shape.get("vae", {})))
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    return type(pipe)(**{**pipe.components, **parts})
 
 
-def make_adapter(args, shape: dict, device: torch.device) -> SD3Adapter:
-    return SD3Adapter(build_pipeline(shape, device), max_sequence_length=shape["t5_tokens"],
-                      resolution=shape["resolution"])
+def sd3_style_vae(shape: dict, **constants):
+    """SD3's and Flux's AutoencoderKL: 16 latent channels, no quant convs, 8x down (4 blocks)."""
+    from diffusers import AutoencoderKL
+
+    channels = shape["vae"]["block_out_channels"] if "vae" in shape else (128, 256, 512, 512)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * len(channels),
+                         up_block_types=("UpDecoderBlock2D",) * len(channels), block_out_channels=channels,
+                         layers_per_block=2, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
+                         **constants)
 
 
-def bench_config(args, shape: dict, *overrides: str):
-    """config/model/sd35_medium.yaml on this benchmark's batch (model.path only satisfies validation:
-    the model itself is built in memory)."""
+def make_adapter(shape: dict, device: torch.device, dtype: torch.dtype):
+    with building(device, dtype):
+        pipe = build_pipeline(shape)
+    settings = {"max_sequence_length": shape["text_tokens"], "resolution": shape["resolution"]}
+    if "num_frames" in shape:
+        settings["num_frames"] = shape["num_frames"]
+    return adapter_class(shape["family"]).from_pipeline(pipe, settings)
+
+
+def bench_config(args, shape: dict, validation_dir: str, *overrides: str):
+    """The family's config/model/<file>.yaml on this benchmark's batch. model.path names a tiny
+    model of the family only to satisfy validation: the model itself is built in memory."""
+    frames = [f"rollout.num_frames={shape['num_frames']}"] if "num_frames" in shape else []
     return load_config("sync", [
-        "config/model/sd35_medium.yaml", "model.path=embedded",
-        f"rollout.groups_per_step={args.prompts}",
-        f"rollout.group_size={args.group_size}", f"rollout.resolution={shape['resolution']}", *overrides,
+        f"config/model/{shape['config']}.yaml", f"model.path={validation_dir}",
+        f"rollout.groups_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
+        f"rollout.resolution={shape['resolution']}", *frames, *overrides,
     ])
+
+
+def validation_model(shape: dict, workdir: str) -> str:
+    """A tiny model directory of the shape's family (what config validation reads)."""
+    from async_flowgrpo.models import tiny_flux, tiny_qwen_image, tiny_sd3, tiny_wan
+
+    make = {"sd3": tiny_sd3.make_tiny_model_dir, "flux": tiny_flux.make_tiny_flux_dir,
+            "qwen_image": tiny_qwen_image.make_tiny_qwen_image_dir, "wan": tiny_wan.make_tiny_wan_dir}[shape["family"]]
+    return make(os.path.join(workdir, shape["family"]))
+
+
+def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict) -> dict:
+    """A plain pipeline call's arguments for the batch our rollout generates: the same
+    conditioning (embeddings given, repeated per image: the pipelines do not repeat given ones),
+    steps, guidance and size."""
+    def rep(t):
+        return t.repeat_interleave(group_size, 0) if t is not None else None
+
+    res, g = shape["resolution"], sampling["guidance_scale"]
+    out = dict(num_inference_steps=sampling["num_steps"], height=res, width=res, output_type="np")
+    family = shape["family"]
+    if family == "sd3":
+        return dict(prompt_embeds=rep(enc.embeds), pooled_prompt_embeds=rep(enc.pooled), guidance_scale=g,
+                    negative_prompt_embeds=rep(enc.negative_embeds), negative_pooled_prompt_embeds=rep(enc.negative_pooled),
+                    **out)
+    if family == "flux":  # guidance-distilled: g is the guidance embedding's input, no CFG batch
+        return dict(prompt_embeds=rep(enc.embeds), pooled_prompt_embeds=rep(enc.pooled), guidance_scale=g, **out)
+    if family == "qwen_image":  # the adapter's `pooled` slot holds the text mask; trim the shared padding as it does
+        length = int(torch.cat([enc.pooled, enc.negative_pooled]).bool().any(0).nonzero().max()) + 1
+        return dict(prompt_embeds=rep(enc.embeds[:, :length]), prompt_embeds_mask=rep(enc.pooled[:, :length].long()),
+                    negative_prompt_embeds=rep(enc.negative_embeds[:, :length]),
+                    negative_prompt_embeds_mask=rep(enc.negative_pooled[:, :length].long()), true_cfg_scale=g, **out)
+    return dict(prompt_embeds=rep(enc.embeds), negative_prompt_embeds=rep(enc.negative_embeds), guidance_scale=g,
+                num_frames=shape["num_frames"], **out)
 
 
 # ---------------------------------------------------------------- measuring
@@ -216,25 +345,20 @@ def section_rollout(args, shape, device, peaks, result, save):
     """Plain pipeline call, then our rollout, on the same model and batch; then the LoRA trainer."""
     from async_flowgrpo.gpu_monitor import GpuMonitor
 
-    cfg = bench_config(args, shape)
+    cfg = bench_config(args, shape, args.validation_dir)
     sampling = rollout_sampling(cfg.rollout)
     n = args.prompts * args.group_size
     prompts = PROMPTS[: args.prompts]
 
     reset_memory(device)
-    adapter = make_adapter(args, shape, device)
-    adapter.to(device, torch.bfloat16)  # config/model/sd35_medium.yaml's model.dtype
-    # the pipeline takes given embeddings as they are (num_images_per_prompt repeats only prompts it encodes)
+    adapter = make_adapter(shape, device, torch.bfloat16)  # config/model/*.yaml's model.dtype
     enc = adapter.encode_prompts(prompts, cfg=True)
-    embeds = [t.repeat_interleave(args.group_size, 0)
-              for t in (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
+    call = pipeline_kwargs(shape, enc, args.group_size, sampling)
     pipe = adapter.pipeline
     pipe.set_progress_bar_config(disable=True)
 
     def pipeline_call():
-        return pipe(prompt_embeds=embeds[0], pooled_prompt_embeds=embeds[1], negative_prompt_embeds=embeds[2],
-                    negative_pooled_prompt_embeds=embeds[3], num_inference_steps=sampling["num_steps"], guidance_scale=sampling["guidance_scale"],
-                    height=shape["resolution"], width=shape["resolution"], output_type="np").images
+        return pipe(**call)[0]
 
     secs = timed(pipeline_call, device, args.repeats)
     flops = count_flops(pipeline_call)
@@ -294,16 +418,16 @@ def section_rollout(args, shape, device, peaks, result, save):
         save()
 
     section_engine(learner, device, result, save)
-    del learner, policy, adapter, pipe, enc, embeds, groups
+    del learner, policy, adapter, pipe, enc, call, groups
     return result
 
 
 def section_autocast_ab(args, shape, device, result, save):
     """The LoRA policy with and without autocast, interleaved on one model: rollout and train step
     (micro-batch 4, no checkpointing) seconds per call."""
-    cfg = bench_config(args, shape)
+    cfg = bench_config(args, shape, args.validation_dir)
     sampling = rollout_sampling(cfg.rollout)
-    learner = build_learner(cfg, adapter=make_adapter(args, shape, device))
+    learner = build_learner(cfg, adapter=make_adapter(shape, device, torch.bfloat16))
     policy = learner.policy
     policy.adapter.transformer.disable_gradient_checkpointing()
     learner.micro_batch_size = 4
@@ -311,13 +435,18 @@ def section_autocast_ab(args, shape, device, result, save):
     groups = policy.generate(prompts, args.group_size, **sampling, seed=0)
     random_rewards(groups, cfg)
     out, on = {}, policy.autocast_dtype
+    lora_layers = [m for m in policy.adapter.transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
     for rep in range(args.repeats):
         for autocast in (on, None):
             policy.autocast_dtype = autocast
+            for m in lora_layers:  # without autocast peft must cast the activations to the adapters' fp32
+                m.cast_input_dtype_enabled = autocast is None
             row = out.setdefault(str(autocast), {"rollout_s": [], "train_s": []})
             row["rollout_s"] += timed(lambda: policy.generate(prompts, args.group_size, **sampling, seed=1), device, 1)
             row["train_s"] += timed(lambda: learner.train_step(groups, version=0), device, 1)
     policy.autocast_dtype = on
+    for m in lora_layers:
+        m.cast_input_dtype_enabled = False
     result["autocast_ab"] = out
     log(f"autocast A/B: {out}")
     save()
@@ -377,10 +506,10 @@ def section_engine(learner, device, result, save):
 
 def section_full(args, shape, device, peaks, result, save):
     """Full fine-tuning: fp32 master weights (and optimizer state), bf16 compute under autocast."""
-    cfg = bench_config(args, shape, "model.lora_rank=0", "algorithm.beta=0", "trainer.lr=1e-5",
+    cfg = bench_config(args, shape, args.validation_dir, "model.lora_rank=0", "algorithm.beta=0", "trainer.lr=1e-5",
                        "trainer.micro_batch_size=4", "model.gradient_checkpointing=true")
     reset_memory(device)
-    learner = build_learner(cfg, adapter=make_adapter(args, shape, device))
+    learner = build_learner(cfg, adapter=make_adapter(shape, device, torch.float32))
     policy = learner.policy
     groups = policy.generate(PROMPTS[: args.prompts], args.group_size, **rollout_sampling(cfg.rollout), seed=0)
     random_rewards(groups, cfg)
@@ -483,20 +612,22 @@ def main(argv=None) -> dict:
     sections = [("rollout_and_lora", lambda: section_rollout(args, shape, device, peaks, result, save))]
     if args.autocast_ab:
         sections = [("autocast_ab", lambda: section_autocast_ab(args, shape, device, result, save))]
-    if not args.skip_full and not args.autocast_ab:
+    if not args.skip_full and not args.autocast_ab and shape.get("full_fine_tuning", True):
         sections.append(("full", lambda: section_full(args, shape, device, peaks, result, save)))
     if not args.skip_embedded and not args.autocast_ab:
         sections.append(("embedded", lambda: section_embedded(args, device, result, save)))
-    for key, run in sections:
-        t0 = time.perf_counter()
-        try:
-            run()
-        except Exception as e:  # noqa: BLE001  (a smoke test: record what broke, go on to the next section)
-            result["errors"][key] = traceback.format_exc(limit=8)
-            log(f"section {key} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        result.setdefault("section_seconds", {})[key] = round(time.perf_counter() - t0, 1)
-        reset_memory(device)
-        save()
+    with tempfile.TemporaryDirectory(prefix="gpu_bench_") as workdir:
+        args.validation_dir = validation_model(shape, workdir)
+        for key, run in sections:
+            t0 = time.perf_counter()
+            try:
+                run()
+            except Exception as e:  # noqa: BLE001  (a smoke test: record what broke, go on to the next section)
+                result["errors"][key] = traceback.format_exc(limit=8)
+                log(f"section {key} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            result.setdefault("section_seconds", {})[key] = round(time.perf_counter() - t0, 1)
+            reset_memory(device)
+            save()
     log(f"wrote {path}")
     return result
 

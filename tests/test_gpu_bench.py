@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import load_benchmark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,11 +43,39 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
     assert result["embedded"]["cpu"]["samples_per_s"] > 0 and result["embedded"]["cpu"]["steps"] == 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["tiny_flux", "tiny_qwen_image", "tiny_wan"])
+def test_every_family_runs_the_rollout_and_trainer_sections(gpu, tmp_path, shape):
+    """Each family's pipeline call takes the conditioning our adapter made, and our rollout and
+    trainer run on the model built in memory (full fine-tuning only where the shape allows it)."""
+    result = gpu.main(["--shape", shape, "--device", "cpu", "--repeats", "1", "--skip-embedded",
+                       "--out", str(tmp_path / "gpu.json")])
+    assert result["errors"] == {}
+    assert result["pipeline"]["images_per_s"] > 0 and result["rollout"]["images_per_s"] > 0
+    # the same model and steps: FLOPs per image agree within what the adapters and text encoding add
+    assert 0.95 < result["rollout"]["flops_per_image"] / result["pipeline"]["flops_per_image"] < 1.2
+    assert result["train_lora_micro16"]["model_flops_per_image"] > 0 and result["engine"]["bit_exact"]
+    assert ("train_full" in result) == gpu.SHAPES[shape].get("full_fine_tuning", True)
+
+
+def test_real_shapes_build_on_the_meta_device(gpu):
+    """The real-size configs are valid for their diffusers classes (no memory: meta tensors), and
+    the sizes are the public ones (parameters of the transformer, billions)."""
+    expected = {"sd35_medium": 2.2, "flux_dev": 11.9, "qwen_image": 20.4, "wan21_1_3b": 1.4}
+    import diffusers
+
+    classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
+               "qwen_image": "QwenImageTransformer2DModel", "wan": "WanTransformer3DModel"}
+    for name, billions in expected.items():
+        shape = gpu.SHAPES[name]
+        with torch.device("meta"):
+            transformer = getattr(diffusers, classes[shape["family"]])(**shape["transformer"])
+        assert sum(p.numel() for p in transformer.parameters()) / 1e9 == pytest.approx(billions, rel=0.05), name
+
+
 def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_path):
     """Adam's updates of bf16 weights round away: with model.dtype bfloat16 and LoRA off, the
     learner's weights are fp32 and the forward runs under bf16 autocast (before: bf16 weights)."""
-    import torch
-
     from async_flowgrpo.builders import build_learner
     from async_flowgrpo.config import load_config
     from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir

@@ -97,6 +97,14 @@ def video_frames(path: str, num_frames: int = 0) -> tuple[int, int]:
     return frames, read("vae", "config.json").get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
 
 
+def adapter_class(family: str):
+    """The adapter class of a model.family (imported on first use)."""
+    for name, (fam, module, cls) in _FAMILIES.items():
+        if fam == family:
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
 def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype, num_frames: int = 0):
     """Load the model directory at `path` (offline) behind its family's adapter; num_frames > 0
     overrides a video model's frames per video (rollout.num_frames)."""

@@ -76,7 +76,15 @@ class FamilyAdapter(TransformerPlacement):
         settings = read_model_settings(path)
         if num_frames:
             settings["num_frames"] = num_frames
-        adapter = cls(pipe, max_sequence_length=settings.get("max_sequence_length", cls.default_max_sequence_length),
+        return cls.from_pipeline(pipe, settings)
+
+    @classmethod
+    def from_pipeline(cls, pipeline, settings: dict | None = None) -> FamilyAdapter:
+        """The adapter over a pipeline already built (in memory: benchmarks/gpu.py's real-size
+        random models); `settings` as a model's async_flowgrpo.json holds them."""
+        settings = settings or {}
+        adapter = cls(pipeline,
+                      max_sequence_length=settings.get("max_sequence_length", cls.default_max_sequence_length),
                       resolution=settings.get("resolution", 0), negative_prompt=settings.get("negative_prompt"))
         adapter.resolution = adapter.resolution or adapter.default_resolution()
         adapter._configure(settings)
