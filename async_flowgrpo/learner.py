@@ -130,7 +130,7 @@ class Learner:
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: Flow-GRPO's policy is the trained one."""
-        return self.policy.trainable_state()
+        return self.policy.publishable(self.policy.trainable_state())
 
     # ------------------------------------------------------------------ data
 

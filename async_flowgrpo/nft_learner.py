@@ -105,7 +105,7 @@ class NFTLearner:
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: the old copy (replaced, never written in place)."""
-        return self.old
+        return self.policy.publishable(self.old)
 
     # ------------------------------------------------------------------ data
 

@@ -138,6 +138,14 @@ class DiffusionPolicy:
         parameters on the policy's device (no copy: clone to keep a snapshot)."""
         return {n: p.detach() for n, p in self._trainable_named()}
 
+    def publishable(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`state` (trainable weights) as rollout actors hold them. Full fine-tuning keeps fp32
+        master weights here while the actors hold the model dtype (bf16 on GPUs): sending that
+        dtype halves the bytes and loads the same values (the actor would round on load)."""
+        if self.lora_rank > 0 or self.autocast_dtype is None or self.autocast_dtype == self.dtype:
+            return state
+        return {k: v.to(self.autocast_dtype) for k, v in state.items()}
+
     @torch.no_grad()
     def load_trainable_state(self, state: dict[str, Tensor]) -> None:
         named = dict(self._trainable_named())

@@ -79,6 +79,7 @@ def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_p
     from async_flowgrpo.builders import build_learner
     from async_flowgrpo.config import load_config
     from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
+    from async_flowgrpo.policy import DiffusionPolicy
 
     model = make_tiny_model_dir(str(tmp_path / "m"))
     cfg = load_config("sync", [f"model.path={model}", "model.lora_rank=0", "model.dtype=bfloat16", "algorithm.beta=0",
@@ -96,6 +97,15 @@ def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_p
     # a 1e-6 step moves fp32 weights; in bf16 (8 bits of mantissa) nearly all of it would round away
     changed = sum(int((after[k] != v).sum()) for k, v in before.items())
     assert changed > 0.5 * sum(v.numel() for v in before.values())
+
+    # published in the rollout actors' dtype: half the bytes, and an actor loads the same values
+    published = learner.sampling_state()
+    assert all(v.dtype == torch.bfloat16 for v in published.values())
+    rollout = DiffusionPolicy(model, dtype=torch.bfloat16, lora_rank=0)
+    rollout.load_trainable_state(after)
+    from_master = {k: v.clone() for k, v in rollout.trainable_state().items()}
+    rollout.load_trainable_state(published)
+    assert all(torch.equal(from_master[k], v) for k, v in rollout.trainable_state().items())
 
 
 def test_plain_classes_import_without_ray():
