@@ -56,7 +56,8 @@ class DiffusionPolicy:
         """model_path: a model directory, or an adapter already built in memory (benchmarks/gpu.py's
         real-size models with random weights), moved here to device and dtype. autocast_dtype:
         compute in this dtype under torch.autocast while the weights stay in `dtype` (full
-        fine-tuning on a GPU: fp32 master weights, bf16 matmuls); bf16 or fp16 weights imply it. lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
+        fine-tuning on a GPU: fp32 master weights, bf16 matmuls); bf16 or fp16 weights imply it.
+        lora_rank 0 trains every transformer weight. lora_init_seed makes the gaussian LoRA A
         matrices identical in every process that builds the policy (trainers and rollout actors
         start equal without a weight sync). reference_copy keeps a frozen copy of the initial
         transformer for the KL term of full fine-tuning (LoRA needs none: adapters off). num_frames

@@ -99,7 +99,7 @@ def video_frames(path: str, num_frames: int = 0) -> tuple[int, int]:
 
 def adapter_class(family: str):
     """The adapter class of a model.family (imported on first use)."""
-    for name, (fam, module, cls) in _FAMILIES.items():
+    for fam, module, cls in _FAMILIES.values():
         if fam == family:
             return getattr(importlib.import_module(module), cls)
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
