@@ -399,7 +399,7 @@ def section_rollout(args, shape, device, peaks, result, save):
 
     random_rewards(groups, cfg)
     transformer = policy.adapter.transformer
-    # micro-batch 4 with checkpointing (for GPUs under 80 GB), 4 without, 16 without (the config's)
+    # micro-batch 4 with checkpointing (for GPUs under 80 GB), 4 without, 16 without (sd35_medium.yaml's)
     model_flops = None
     for checkpointing, micro in ((True, 4), (False, 4), (False, 16)):
         key = f"train_lora_micro{micro}" + ("_checkpointing" if checkpointing else "")
@@ -436,7 +436,7 @@ def section_autocast_ab(args, shape, device, result, save):
     random_rewards(groups, cfg)
     out, on = {}, policy.autocast_dtype
     lora_layers = [m for m in policy.adapter.transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
-    for rep in range(args.repeats):
+    for _ in range(args.repeats):
         for autocast in (on, None):
             policy.autocast_dtype = autocast
             for m in lora_layers:  # without autocast peft must cast the activations to the adapters' fp32
