@@ -30,14 +30,18 @@ def model_dtype(cfg: Config) -> torch.dtype | None:
     return DTYPES.get(cfg.model.dtype)  # "auto" -> None: the policy picks bf16 on CUDA, fp32 on CPU
 
 
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def build_policy(cfg: Config, adapter=None, **kwargs):
     """adapter: a model already built in memory, used instead of loading model.path."""
     from async_flowgrpo.policy import DiffusionPolicy
 
     kwargs.setdefault("dtype", model_dtype(cfg))
+    kwargs.setdefault("device", default_device())
     policy = DiffusionPolicy(
         adapter if adapter is not None else resolve_model_path(cfg.model.path),
-        device="cuda" if torch.cuda.is_available() else "cpu",
         lora_rank=cfg.model.lora_rank,
         lora_alpha=cfg.model.lora_alpha,
         lora_init_seed=cfg.trainer.seed,
@@ -60,9 +64,10 @@ def build_engine(cfg: Config, update_point: str):
     return DiffusersEngine(build_policy(cfg), update_point=update_point)
 
 
-def build_learner(cfg: Config, grad_all_reduce=None, adapter=None) -> Learner | NFTLearner:
+def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None
+                  ) -> Learner | NFTLearner:
     """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh).
-    adapter: as in build_policy."""
+    adapter: as in build_policy; device: the GPU when there is one, unless given."""
     from async_flowgrpo import fsdp
     from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
@@ -73,14 +78,15 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None) -> Learner | 
     # Trained weights are kept in fp32: Adam's small updates round away in bf16 (LoRA's adapters
     # are cast to fp32 by the policy). Full fine-tuning therefore holds fp32 master weights and
     # computes in the model dtype: FSDP casts them when it gathers, otherwise autocast does.
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     compute_dtype = model_dtype(cfg) or default_dtype(device)
     master = {}
     if t.fsdp:
         master = {"dtype": torch.float32}
     elif cfg.model.lora_rank == 0 and compute_dtype != torch.float32:
         master = {"dtype": torch.float32, "autocast_dtype": compute_dtype}
-    policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, **master)
+    policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, device=device,
+                          **master)
     if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)

@@ -292,6 +292,11 @@ def timed(fn, device: torch.device, repeats: int) -> list[float]:
     return out
 
 
+def per_second(n: int, secs: list[float]) -> float:
+    """Items per second of the mean call."""
+    return round(n / (sum(secs) / len(secs)), 3)
+
+
 def count_flops(fn) -> float:
     with FlopCounterMode(display=False) as counter:
         fn()
@@ -362,14 +367,14 @@ def section_rollout(args, shape, device, peaks, result, save):
 
     secs = timed(pipeline_call, device, args.repeats)
     flops = count_flops(pipeline_call)
-    result["pipeline"] = {"images": n, "seconds": secs, "images_per_s": round(n / (sum(secs) / len(secs)), 3),
+    result["pipeline"] = {"images": n, "seconds": secs, "images_per_s": per_second(n, secs),
                           "flops_per_image": flops / n, **rate(flops, secs, peaks), "peak_memory_gb": peak_memory_gb(device)}
     log(f"plain diffusers pipeline: {result['pipeline']['images_per_s']} images/s, {result['pipeline']['tflops']} TFLOP/s")
     save()
 
     # our rollout: the trainer's policy (LoRA attached) generating, as a rollout actor does
     reset_memory(device)
-    learner = build_learner(cfg, adapter=adapter)
+    learner = build_learner(cfg, device=device, adapter=adapter)
     policy = learner.policy
     monitor = GpuMonitor(interval_s=0.2) if device.type == "cuda" else None
     if monitor is not None:
@@ -384,7 +389,7 @@ def section_rollout(args, shape, device, peaks, result, save):
         result["gpu_monitor"] = monitor.read()
         monitor.stop()
     flops = count_flops(rollout)
-    r = result["rollout"] = {"images": n, "seconds": secs, "images_per_s": round(n / (sum(secs) / len(secs)), 3),
+    r = result["rollout"] = {"images": n, "seconds": secs, "images_per_s": per_second(n, secs),
                              "flops_per_image": flops / n, **rate(flops, secs, peaks),
                              "peak_memory_gb": peak_memory_gb(device)}
     r["vs_pipeline"] = round(r["images_per_s"] / result["pipeline"]["images_per_s"], 3)
@@ -393,7 +398,7 @@ def section_rollout(args, shape, device, peaks, result, save):
     policy.adapter.transformer.disable_adapters()  # what the adapters cost, apart from our sampling loop
     secs = timed(rollout, device, args.repeats)
     policy.adapter.transformer.enable_adapters()
-    result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": round(n / (sum(secs) / len(secs)), 3)}
+    result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
 
@@ -427,7 +432,7 @@ def section_autocast_ab(args, shape, device, result, save):
     (micro-batch 4, no checkpointing) seconds per call."""
     cfg = bench_config(args, shape, args.validation_dir)
     sampling = rollout_sampling(cfg.rollout)
-    learner = build_learner(cfg, adapter=make_adapter(shape, device, torch.bfloat16))
+    learner = build_learner(cfg, device=device, adapter=make_adapter(shape, device, torch.bfloat16))
     policy = learner.policy
     policy.adapter.transformer.disable_gradient_checkpointing()
     learner.micro_batch_size = 4
@@ -458,7 +463,7 @@ def measure_train(args, learner, groups, device, peaks, model_flops: float | Non
     n = sum(g.size for g in groups)
     reset_memory(device)
     secs = timed(lambda: learner.train_step(groups, version=0), device, args.repeats)
-    out = {"images": n, "seconds": secs, "images_per_s": round(n / (sum(secs) / len(secs)), 3),
+    out = {"images": n, "seconds": secs, "images_per_s": per_second(n, secs),
            "peak_memory_gb": peak_memory_gb(device)}
     if model_flops is None:
         transformer = learner.policy.adapter.transformer
@@ -509,7 +514,7 @@ def section_full(args, shape, device, peaks, result, save):
     cfg = bench_config(args, shape, args.validation_dir, "model.lora_rank=0", "algorithm.beta=0", "trainer.lr=1e-5",
                        "trainer.micro_batch_size=4", "model.gradient_checkpointing=true")
     reset_memory(device)
-    learner = build_learner(cfg, adapter=make_adapter(shape, device, torch.float32))
+    learner = build_learner(cfg, device=device, adapter=make_adapter(shape, device, torch.float32))
     policy = learner.policy
     groups = policy.generate(PROMPTS[: args.prompts], args.group_size, **rollout_sampling(cfg.rollout), seed=0)
     random_rewards(groups, cfg)
@@ -549,15 +554,7 @@ def section_embedded(args, device, result, save):
 
 
 def embedded_loop(cfg, device: torch.device, steps: int, load_prompts, CombinedReward) -> dict:
-    import async_flowgrpo.builders as builders
-
-    real_cuda = torch.cuda.is_available
-    if device.type == "cpu":
-        torch.cuda.is_available = lambda: False  # build_learner places by availability
-    try:
-        learner = builders.build_learner(cfg)
-    finally:
-        torch.cuda.is_available = real_cuda
+    learner = build_learner(cfg, device=device)
     r = cfg.rollout
     rows = load_prompts(r.prompts)[: r.groups_per_step]
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
