@@ -61,7 +61,11 @@ def build_engine(cfg: Config, update_point: str):
         return VllmOmniEngine.from_config(cfg, update_point=update_point)
     from async_flowgrpo.rollout.engine import DiffusersEngine
 
-    return DiffusersEngine(build_policy(cfg), update_point=update_point)
+    policy = build_policy(cfg)
+    fuse = cfg.rollout.fuse_lora
+    if fuse or (fuse is None and policy.autocast_dtype is not None):
+        policy.fuse_lora()
+    return DiffusersEngine(policy, update_point=update_point)
 
 
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None

@@ -73,6 +73,7 @@ class DiffusionPolicy:
         else:
             self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype, num_frames=num_frames)
         self.lora_rank = lora_rank
+        self._fused: dict[nn.Module, Tensor] = {}  # LoRA layer -> its base weight, while fused (fuse_lora)
         for module in self.adapter.frozen_modules:
             module.requires_grad_(False).eval()
         transformer = self.adapter.transformer.eval()  # eval: no dropout, the rollout's forward is replayed
@@ -157,10 +158,48 @@ class DiffusionPolicy:
             )
         for name, p in named.items():
             p.copy_(state[name])
+        if self._fused:
+            self._fold_lora()
+
+    @property
+    def lora_fused(self) -> bool:
+        return bool(self._fused)
+
+    # A rollout never needs the adapters apart from the base weights (it takes no gradient and no
+    # KL reference), and their extra matmuls cost it 15 % on an H200 (docs/gpu.md). Folded, it
+    # runs at the base model's cost. Each fold starts from a kept copy of the base weight: adding
+    # and subtracting deltas in bf16 would drift by a rounding per weight update.
+    def fuse_lora(self) -> None:
+        """Compute with the LoRA deltas folded into the base weights (rollout only: the adapters
+        stay as parameters, loads keep refolding them); `unfuse_lora` undoes it."""
+        from peft.tuners.lora import LoraLayer
+
+        if self.lora_rank == 0 or self._fused:
+            return
+        transformer = self.adapter.transformer
+        self._fused = {m: m.base_layer.weight.detach().clone() for m in transformer.modules() if isinstance(m, LoraLayer)}
+        transformer.disable_adapters()
+        self._fold_lora()
+
+    @torch.no_grad()
+    def unfuse_lora(self) -> None:
+        for layer, base in self._fused.items():
+            layer.base_layer.weight.copy_(base)
+        if self._fused:
+            self.adapter.transformer.enable_adapters()
+        self._fused = {}
+
+    @torch.no_grad()
+    def _fold_lora(self) -> None:
+        for layer, base in self._fused.items():
+            delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)  # scaling * B @ A, fp32
+            layer.base_layer.weight.copy_(base.float() + delta)  # rounded once, to the weight's dtype
 
     @contextlib.contextmanager
     def _reference_transformer(self) -> Iterator[nn.Module]:
         transformer = self.adapter.transformer
+        if self._fused:
+            raise ValueError("no KL reference while the LoRA deltas are folded in (fuse_lora is for rollouts)")
         if self.lora_rank > 0:
             transformer.disable_adapters()
             try:

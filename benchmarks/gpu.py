@@ -401,6 +401,9 @@ def section_rollout(args, shape, device, peaks, result, save):
     result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
+    result["rollout_fused"] = fused_rollout(args, learner, cfg, prompts, sampling, device, rollout)
+    log(f"rollout, LoRA folded in (rollout.fuse_lora): {result['rollout_fused']}")
+    save()
 
     random_rewards(groups, cfg)
     transformer = policy.adapter.transformer
@@ -425,6 +428,31 @@ def section_rollout(args, shape, device, peaks, result, save):
     section_engine(learner, device, result, save)
     del learner, policy, adapter, pipe, enc, call, groups
     return result
+
+
+def fused_rollout(args, learner, cfg, prompts, sampling, device, rollout) -> dict:
+    """The rollout with the LoRA deltas folded into the base weights (what rollout actors do on a
+    GPU): its speed, and, on adapters moved off zero (B = 0 at init would fold nothing), how far
+    the trainer's recompute (logp/max_abs_diff) is from its log-probs, and from the adapters'."""
+    policy = learner.policy
+    n = args.prompts * args.group_size
+    start = {k: v.clone() for k, v in policy.trainable_state().items()}
+    rng = torch.Generator().manual_seed(0)
+    moved = {k: v + 2e-3 * torch.randn(v.shape, generator=rng).to(v.device) if "lora_B" in k else v for k, v in start.items()}
+    policy.load_trainable_state(moved)
+    policy.fuse_lora()
+    secs = timed(rollout, device, args.repeats)
+    out = {"seconds": secs, "images_per_s": per_second(n, secs)}
+    fused = policy.generate(prompts, args.group_size, **sampling, seed=99)
+    policy.unfuse_lora()
+    separate = policy.generate(prompts, args.group_size, **sampling, seed=99)
+    # (the two rollouts' own log-probs agree whatever the weights: each scores its own noise)
+    for name, groups in (("fused", fused), ("adapters", separate)):  # one update each, undone after
+        random_rewards(groups, cfg)
+        out[f"trainer_logp_max_abs_diff_{name}"] = learner.train_step(groups, version=0).get("logp/max_abs_diff")
+        policy.load_trainable_state(moved)
+    policy.load_trainable_state(start)
+    return out
 
 
 def section_autocast_ab(args, shape, device, result, save):

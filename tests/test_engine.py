@@ -66,3 +66,17 @@ def test_update_between_groups_waits_for_the_next_generate(policy):
     assert engine.generate(["a blue square"], 2, seed=1, **SAMPLING)[0].versions.tolist() == [0] * 4
     assert engine.version == 0
     assert engine.generate(["a blue square"], 2, seed=1, **SAMPLING)[0].versions.tolist() == [1] * 4
+
+
+@pytest.mark.parametrize("overrides, fused", [
+    ([], False),  # fp32 (CPU): the adapters stay apart, rollout log-probs equal the trainer's to the bit
+    (["model.dtype=bfloat16"], True),  # bf16 (GPUs): folded, the base model's speed
+    (["model.dtype=bfloat16", "rollout.fuse_lora=false"], False),
+    (["rollout.fuse_lora=true"], True),
+])
+def test_engine_folds_lora_where_the_policy_computes_in_low_precision(tiny_model_dir, overrides, fused):
+    from async_flowgrpo.builders import build_engine
+    from async_flowgrpo.config import load_config
+
+    cfg = load_config("sync", [f"model.path={tiny_model_dir}", "model.lora_rank=4", *overrides])
+    assert (build_engine(cfg, "between_steps").policy.lora_fused) == fused

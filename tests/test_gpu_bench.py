@@ -32,6 +32,11 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
         assert r["images"] == n and r["images_per_s"] > 0 and len(r["seconds"]) == 1, key
     assert result["rollout"]["flops_per_image"] > result["pipeline"]["flops_per_image"] > 0  # + the adapters
     assert result["rollout_adapters_off"]["images_per_s"] > 0
+    # bf16 here too: the trainer's adapters under autocast replay the unfolded rollout to the bit,
+    # the folded one (weights rounded with the deltas in) to a small difference
+    fused = result["rollout_fused"]
+    assert fused["images_per_s"] > 0 and fused["trainer_logp_max_abs_diff_adapters"] == 0
+    assert 0 < fused["trainer_logp_max_abs_diff_fused"] < 1e-2
     # model FLOPs are counted once, without checkpointing, and shared by the LoRA measurements
     flops = {result[k]["model_flops_per_step"] for k in ("train_lora_micro4_checkpointing", "train_lora_micro4",
                                                           "train_lora_micro16")}

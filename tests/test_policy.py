@@ -249,6 +249,37 @@ def test_bf16_policy_computes_under_autocast_and_recompute_still_matches(model_d
     assert torch.equal(without_cast, with_cast)
 
 
+def test_fused_lora_generates_as_the_adapters_and_refolds_from_the_base_without_drift(model_dir):
+    """fuse_lora (rollouts on GPUs): the LoRA deltas folded into the base weights give the
+    adapters' log-probs (fp32 here: to rounding); every load refolds from the kept base weight, so
+    loading the same state after many others gives the same weights bit for bit."""
+    policy = DiffusionPolicy(model_dir, lora_rank=4, lora_alpha=8)
+    rng = torch.Generator().manual_seed(0)
+    states = [{k: v + 0.05 * torch.randn(v.shape, generator=rng) for k, v in policy.trainable_state().items()}
+              for _ in range(3)]
+    policy.load_trainable_state(states[0])
+    separate = gen(policy, seed=4)
+    base = {n: p.detach().clone() for n, p in policy.adapter.transformer.named_parameters() if "lora_" not in n}
+
+    policy.fuse_lora()
+    fused = gen(policy, seed=4)
+    for a, b in zip(separate, fused):
+        torch.testing.assert_close(b.log_probs, a.log_probs, rtol=0, atol=1e-5)
+        torch.testing.assert_close(b.latents, a.latents, rtol=1e-4, atol=1e-4)
+    folded = {n: p.detach().clone() for n, p in policy.adapter.transformer.named_parameters() if "lora_" not in n}
+    assert any(not torch.equal(folded[n], base[n]) for n in base)  # the deltas are in the base weights now
+    for state in states[1:] * 5 + states[:1]:  # new weights arrive: each load refolds
+        policy.load_trainable_state(state)
+    again = {n: p.detach() for n, p in policy.adapter.transformer.named_parameters() if "lora_" not in n}
+    assert all(torch.equal(again[n], folded[n]) for n in folded)
+    with pytest.raises(ValueError, match="KL reference"):
+        recompute(policy, [(fused[0], 0, 0)], with_ref=True)
+
+    policy.unfuse_lora()
+    assert all(torch.equal(p.detach(), base[n]) for n, p in policy.adapter.transformer.named_parameters() if n in base)
+    torch.testing.assert_close(gen(policy, seed=4)[0].log_probs, separate[0].log_probs, rtol=0, atol=0)
+
+
 def test_policy_takes_an_adapter_built_in_memory(model_dir):
     """benchmarks/gpu.py builds real-size models without files: the adapter is moved and cast, and
     its cached device and dtype follow."""

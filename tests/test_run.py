@@ -220,6 +220,19 @@ def test_unreachable_ray_address_fails_fast(tiny_model_dir, prompt_file, tmp_pat
         init_ray(cfg)
 
 
+@pytest.mark.parametrize("gpus, transport, device", [
+    (0.5, "collective", "cpu"),  # two actors on one GPU: NCCL refuses, gloo over CPU buffers
+    (1.0, "collective", None),  # one GPU each: NCCL on each member's own GPU
+    (0.0, "collective", None),  # CPU actors: the members' default (gloo on CPU)
+    (0.5, "object_store", None),  # no group at all
+])
+def test_weight_sync_leaves_nccl_when_actors_share_a_gpu(gpus, transport, device):
+    from async_flowgrpo.driver.cluster import sync_device
+
+    cfg = load_config("fully_async", [f"rollout.gpus_per_worker={gpus}", f"trainer.gpus_per_worker={gpus}", f"sync.transport={transport}"])
+    assert sync_device(cfg) == device
+
+
 def test_a_sigterm_in_the_last_moments_of_ray_init_reaches_the_drivers_handler(tmp_path):
     """ray.init would take SIGTERM twice over: a Python handler that exits 15 without a word, and
     its core worker's C++ crash handler, which dumps a stack and aborts. A SIGTERM sent right after

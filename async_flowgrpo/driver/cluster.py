@@ -205,6 +205,14 @@ def sync_host(cfg: Config) -> str | None:
     return "127.0.0.1" if len(alive) == 1 else None
 
 
+def sync_device(cfg: Config) -> str | None:
+    """The weight-sync group's buffers: None (each member's GPU, so NCCL on GPUs) unless an actor
+    takes a fraction of a GPU. Then two members may share one GPU, which NCCL refuses ("duplicate
+    GPU"), and the group runs gloo over CPU buffers (one copy each way over PCIe)."""
+    fractional = any(0 < role.gpus_per_worker < 1 for role in (cfg.rollout, cfg.trainer))
+    return "cpu" if fractional and cfg.sync.transport == "collective" else None
+
+
 def _bundle(role) -> dict:
     """One actor's bundle: its CPUs, GPUs and custom resources (which pick the node it lands on)."""
     gpus = {"GPU": role.gpus_per_worker} if role.gpus_per_worker else {}
@@ -212,8 +220,8 @@ def _bundle(role) -> dict:
 
 
 class Cluster:
-    """Rollout actors, trainer actors and reward actors, placed in one placement group (rollout
-    and trainer bundles are separate, so they never share a GPU). Call `shutdown` when done; a
+    """Rollout actors, trainer actors and reward actors, placed in one placement group (one bundle
+    per actor; with fractional gpus_per_worker two bundles can share a GPU). Call `shutdown` when done; a
     failed start-up shuts down what it started.
 
     `rollout_actor` / `trainer_actor`: the actor classes (benchmarks/scale_sim.py passes stand-ins
@@ -226,9 +234,11 @@ class Cluster:
         init_ray(cfg)
         check_resources(cfg)
         r, t = cfg.rollout, cfg.trainer
-        self.transport = make_transport(
-            cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s, verify=cfg.sync.verify
-        )
+        self.transport = make_transport(cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s,
+                                        device=sync_device(cfg), verify=cfg.sync.verify)
+        if self.transport.device == "cpu" and max(r.gpus_per_worker, t.gpus_per_worker) > 0:
+            logger.info("weight sync over gloo on CPU buffers: actors take fractions of a GPU, and NCCL "
+                        "cannot put two of them on one GPU")
         self.bundles = [_bundle(r)] * r.num_workers + [_bundle(t)] * t.num_workers
         self.trainers, self.rollouts, self.reward_actors = [], [], []
         self.rollout_pids: list[int] = []
