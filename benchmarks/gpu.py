@@ -12,7 +12,9 @@ Measured, in this order:
 
 1. the bf16 matmul ceiling of this device (8192^3, the MFU denominator beside the datasheet's);
 2. a plain diffusers pipeline call (same model, steps, CFG and batch) against our rollout
-   (`DiffusionPolicy.generate`, LoRA attached): images/s, their ratio, FLOPs and MFU;
+   (`DiffusionPolicy.generate`, LoRA attached): images/s, their ratio, FLOPs and MFU; then ours
+   with the adapters off, and with the LoRA deltas folded in (`rollout.fuse_lora`, what rollout
+   actors do on GPUs) with how far the trainer's recompute is from its log-probs;
 3. the trainer step (`Learner.train_step`): LoRA at micro-batch 4 with gradient checkpointing, 4
    without, 16 without (the config's); full fine-tuning (fp32 master weights, bf16 autocast) at
    micro-batch 4 with checkpointing: trained images/s, MFU, peak memory;
@@ -28,6 +30,7 @@ written to the JSON as soon as it is known, so a failure loses nothing measured 
 
     python benchmarks/gpu.py                                   # SD3.5-Medium on a GPU (~4 min on an H200)
     python benchmarks/gpu.py --shape flux_dev --skip-embedded  # another family (no full fine-tuning at 12 B)
+    python benchmarks/gpu.py --shape wan21_1_3b --skip-embedded --prompts 1 --group-size 4   # video: 190 s did not finish batch 16
     python benchmarks/gpu.py --shape tiny --device cpu --repeats 1 --skip-embedded   # the same code, tiny (tests)
 
 Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
@@ -651,8 +654,14 @@ def main(argv=None) -> dict:
                 result["errors"][key] = traceback.format_exc(limit=8)
                 log(f"section {key} failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
             result.setdefault("section_seconds", {})[key] = round(time.perf_counter() - t0, 1)
-            reset_memory(device)
             save()
+            try:
+                reset_memory(device)
+            except Exception as e:  # noqa: BLE001  (an illegal memory access poisons the CUDA context for good)
+                result["errors"]["cuda_context"] = f"{type(e).__name__}: {str(e).splitlines()[0]}; later sections not run"
+                save()
+                log(f"the device is unusable after {key} ({type(e).__name__}); later sections not run")
+                break
     log(f"wrote {path}")
     return result
 
