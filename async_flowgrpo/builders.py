@@ -62,10 +62,23 @@ def build_engine(cfg: Config, update_point: str):
     from async_flowgrpo.rollout.engine import DiffusersEngine
 
     policy = build_policy(cfg)
-    fuse = cfg.rollout.fuse_lora
-    if fuse or (fuse is None and policy.autocast_dtype is not None):
+    if fuse_lora(cfg, policy.autocast_dtype is not None):
         policy.fuse_lora()
     return DiffusersEngine(policy, update_point=update_point)
+
+
+def fuse_lora(cfg: Config, low_precision: bool) -> bool:
+    """rollout.fuse_lora, its default resolved. Folded weights round differently from the
+    trainer's separate adapters: its recompute of a rollout's mean log-prob moved by 1.3e-4 on
+    SD3.5-M (docs/gpu.md). The default objective absorbs that (the clip is centred on the trainer's
+    own log-prob; the staleness weight moves by 0.01 %), but not one that trusts the recorded
+    log-probs to the bit: the `step` correction multiplies the difference by the latent's size,
+    and `bypass` clips around them at clip_range 1e-4. Those keep the adapters apart by default."""
+    if cfg.rollout.fuse_lora is not None:
+        return cfg.rollout.fuse_lora
+    a = cfg.algorithm
+    exact = a.name == "flow_grpo" and (a.is_correction == "step" or a.prox_mode == "bypass")
+    return low_precision and not exact
 
 
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None

@@ -73,6 +73,9 @@ def test_update_between_groups_waits_for_the_next_generate(policy):
     (["model.dtype=bfloat16"], True),  # bf16 (GPUs): folded, the base model's speed
     (["model.dtype=bfloat16", "rollout.fuse_lora=false"], False),
     (["rollout.fuse_lora=true"], True),
+    # these trust the recorded log-probs to the bit, which folded bf16 weights do not give
+    (["model.dtype=bfloat16", "algorithm.is_correction=step"], False),
+    (["model.dtype=bfloat16", "algorithm.prox_mode=bypass"], False),
 ])
 def test_engine_folds_lora_where_the_policy_computes_in_low_precision(tiny_model_dir, overrides, fused):
     from async_flowgrpo.builders import build_engine
