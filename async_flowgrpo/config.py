@@ -20,7 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
 from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, video_frames
 from async_flowgrpo.prompts import load_prompts
-from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, takes_video
+from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
@@ -445,6 +445,10 @@ def validate(c: Config) -> None:
                  + (f"videos: use {FRAMES_PREFIX}{name} (its mean over frames) or a video reward" if video else "images"))
     for name in w.options:
         _require(name in w.weights, f"reward.options.{name}", "has no weight in reward.weights")
+        try:
+            check_options(name, dict(w.options[name] or {}))
+        except ValueError as e:
+            raise ConfigError(f"reward.options.{name}: {e}") from None
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
     _require(w.cpus_per_worker > 0, "reward.cpus_per_worker", "must be > 0")
     _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")

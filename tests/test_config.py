@@ -184,3 +184,13 @@ def test_new_safety_settings_are_validated(model):
         with pytest.raises(ConfigError, match=key):
             load_config("sync", [model, override])
     assert load_config("sync", [model, "sync.host=10.0.0.5"]).sync.host == "10.0.0.5"
+
+
+@pytest.mark.parametrize("option, message", [
+    ("score=bogus", r"reward.options.shapes: .*score must be one of partial, checks, correct, graded, got 'bogus'"),
+    ("scroe=partial", r"reward.options.shapes: .*does not take option\(s\) scroe"),
+])
+def test_a_bad_reward_option_is_a_config_error_not_a_failure_at_the_first_rollout(option, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("sync", [f"reward.options.shapes.{option}"])
+    assert load_config("sync", ["reward.options.shapes.score=graded"]).reward.options["shapes"]["score"] == "graded"

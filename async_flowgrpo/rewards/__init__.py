@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import typing
 from typing import Callable, Union
 
 import torch
@@ -72,12 +73,10 @@ def takes_video(name: str) -> bool:
     return name in _VIDEO_REWARDS or (name.startswith(FRAMES_PREFIX) and name not in _REGISTRY)
 
 
-def get_reward(name: str, **options) -> RewardFn:
-    """The reward registered as `name`, with keyword `options` bound (e.g. a local model path)."""
-    if name not in _REGISTRY and name in available_rewards():  # frames_<image reward>
-        from async_flowgrpo.rewards.video import frame_average
-
-        return frame_average(get_reward(name.removeprefix(FRAMES_PREFIX), **options))
+def _entry(name: str) -> RewardFn:
+    """The registered callable of `name` (a registered image reward for frames_<name>), imported on first use."""
+    if name not in _REGISTRY and name in available_rewards():
+        name = name.removeprefix(FRAMES_PREFIX)
     if name not in _REGISTRY:
         raise KeyError(f"unknown reward '{name}' (available: {', '.join(available_rewards())})")
     entry = _REGISTRY[name]
@@ -85,13 +84,37 @@ def get_reward(name: str, **options) -> RewardFn:
         module, attr = entry.split(":")
         entry = getattr(importlib.import_module(module), attr)
         _REGISTRY[name] = entry
-    if not options:
-        return entry
+    return entry
+
+
+def check_options(name: str, options: dict) -> None:
+    """Raise ValueError unless the reward `name` takes these keyword options, with a value among
+    its choices where the parameter is annotated `Literal[...]` (caught at config time, not at
+    the first rollout)."""
+    entry = _entry(name)
     try:
         inspect.signature(entry).bind_partial(None, None, None, **options)
     except TypeError as e:
-        raise TypeError(f"reward '{name}' does not take option(s) {', '.join(sorted(options))}: {e}") from None
-    return functools.partial(entry, **options)
+        raise ValueError(f"reward '{name}' does not take option(s) {', '.join(sorted(options))}: {e}") from None
+    try:
+        hints = typing.get_type_hints(entry.func if isinstance(entry, functools.partial) else entry)
+    except TypeError:  # a callable object: no annotations to check against
+        hints = {}
+    for key, value in options.items():
+        choices = typing.get_args(hints.get(key)) if typing.get_origin(hints.get(key)) is typing.Literal else ()
+        if choices and value not in choices:
+            raise ValueError(f"reward '{name}' option {key} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+
+def get_reward(name: str, **options) -> RewardFn:
+    """The reward registered as `name`, with keyword `options` bound (e.g. a local model path)."""
+    check_options(name, options)
+    if name not in _REGISTRY:  # frames_<image reward>
+        from async_flowgrpo.rewards.video import frame_average
+
+        return frame_average(get_reward(name.removeprefix(FRAMES_PREFIX), **options))
+    entry = _entry(name)
+    return functools.partial(entry, **options) if options else entry
 
 
 class CombinedReward:

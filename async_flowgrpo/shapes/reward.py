@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import colorsys
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import numpy as np
 import torch
@@ -267,14 +268,15 @@ def to_uint8_hwc(images: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 # What "score" (the reward RL optimises) is made of; the components and checks are returned either way.
-SCORES = ("partial", "checks", "correct", "graded")
+Score = Literal["partial", "checks", "correct", "graded"]  # config validation checks the option against it
+SCORES = get_args(Score)
 # "graded": a wrong image earns at most this share of its partial credit, so every right image
 # outranks every wrong one and a group where all are wrong still ranks its members.
 GRADED_WRONG_MAX = 0.5
 
 
 def shapes_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None,
-                  score: str = "correct") -> dict[str, torch.Tensor]:
+                  score: Score = "correct") -> dict[str, torch.Tensor]:
     """Score images against their prompts. Returns float32 tensors [n]: "score", the components
     "color", "shape", "count", "position" (all in [0, 1]) and the 0/1 checks "color_ok", "shape_ok",
     "count_ok", "position_ok", "correct". metadata[i]["spec"] (a SceneSpec dict) overrides parsing.
