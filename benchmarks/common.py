@@ -7,6 +7,7 @@ launch/*.py) and import this file as ``common``.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import platform
@@ -192,15 +193,33 @@ def machine_info(resources: dict | None = None) -> dict:
 
 
 # -- metrics.jsonl --------------------------------------------------------------------------------
+def open_metrics(path: str):
+    """A metrics.jsonl for reading, or its gzip archive (path + ".gz": what prune_run_outputs keeps)."""
+    if not os.path.exists(path) and os.path.exists(path + ".gz"):
+        path += ".gz"
+    return gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8")
+
+
 def read_metrics(output_dir: str) -> list[dict]:
-    """Rows of metrics.jsonl, the last line per step (a resumed run appends)."""
+    """Rows of a run's metrics.jsonl (or .jsonl.gz), the last line per step (a resumed run appends)."""
     by_step: dict[int, dict] = {}
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+    with open_metrics(os.path.join(output_dir, "metrics.jsonl")) as f:
         for line in f:
             if line.strip():
                 row = json.loads(line)
                 by_step[row["step"]] = row
     return [by_step[s] for s in sorted(by_step)]
+
+
+def archive_metrics(out: str) -> None:
+    """Replace a finished run's metrics.jsonl by metrics.jsonl.gz (an eighth of the size: the
+    committed results stay small enough to clone and to carry to a GPU machine)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(path):
+        with open(path, "rb") as src, gzip.open(path + ".gz.tmp", "wb", compresslevel=9) as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(path + ".gz.tmp", path + ".gz")
+        os.remove(path)
 
 
 def _weighted(rows: list[dict], prev: dict, key: str) -> float | None:
@@ -419,9 +438,10 @@ class RunCpuSampler:
 
 
 def prune_run_outputs(out: str) -> None:
-    """What a benchmark keeps of a finished run: no checkpoints (MBs of weights), no lock, and of the
-    sample grids only the first and last evaluation's."""
+    """What a benchmark keeps of a finished run: no checkpoints (MBs of weights), no lock, the
+    metrics gzipped, and of the sample grids only the first and last evaluation's."""
     shutil.rmtree(os.path.join(out, "checkpoints"), ignore_errors=True)
+    archive_metrics(out)
     if os.path.exists(os.path.join(out, ".lock")):
         os.remove(os.path.join(out, ".lock"))
     samples = os.path.join(out, "samples")

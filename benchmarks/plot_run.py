@@ -4,7 +4,7 @@
     python benchmarks/plot_run.py outputs/fully_async/metrics.jsonl [out.png]
     python benchmarks/plot_run.py seed0/metrics.jsonl seed1/metrics.jsonl seed2/metrics.jsonl curve.png
 
-One file: every eval metric. Several (e.g. seeds of one command): the training reward and
+A path may name a metrics.jsonl that was archived as metrics.jsonl.gz. One file: every eval metric. Several (e.g. seeds of one command): the training reward and
 eval/accuracy of each, one colour per file.
 """
 
@@ -17,6 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from common import open_metrics  # noqa: E402  (benchmarks/ is on the path of a script run from it)
+
 WINDOW = 10
 EVAL_KEYS = ("eval/reward", "eval/accuracy", "eval/color_ok", "eval/shape_ok", "eval/count_ok", "eval/position_ok")
 
@@ -28,7 +30,8 @@ def rolling(values: list[float]) -> list[float]:
 def main(paths: list[str], out: str) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
     for n, path in enumerate(paths):
-        rows = [json.loads(line) for line in open(path)]
+        with open_metrics(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
         train = [r for r in rows if r.get("reward/mean") is not None]
         evals = [r for r in rows if r.get("eval/reward") is not None]
         name = os.path.basename(os.path.dirname(path)) or path

@@ -33,15 +33,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, prune_run_outputs  # noqa: E402
+from common import REPO, RESULTS, log, prune_run_outputs, read_metrics  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "seed_runs")
 MODES = ("sync", "one_step_off", "fully_async")
-
-
-def read_metrics(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def finished(run_dir: str) -> bool:
@@ -85,7 +80,7 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
 
 
 def summarize_run(run_dir: str) -> dict:
-    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_metrics(run_dir)
     info = json.load(open(os.path.join(run_dir, "run.json")))
     # the shapes model's accuracy; other rewards (the Wan demo's temporal consistency): the eval reward
     metric = "eval/accuracy" if any("eval/accuracy" in r for r in rows) else "eval/reward"

@@ -42,8 +42,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, prune_run_outputs, split_overrides, write_json  # noqa: E402
-from seed_runs import MODES, finished, read_metrics  # noqa: E402
+from common import REPO, RESULTS, log, prune_run_outputs, read_metrics, split_overrides, write_json  # noqa: E402
+from seed_runs import MODES, finished  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "time_to_accuracy")
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
@@ -88,7 +88,7 @@ def training_curve(rows: list[dict]) -> list[tuple[int, float, float]]:
 
 
 def summarize_run(run_dir: str, target_rise: float) -> dict:
-    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = read_metrics(run_dir)
     info = json.load(open(os.path.join(run_dir, "run.json")))
     curve = training_curve(rows)
     if not curve or curve[0][0] != 0:

@@ -31,3 +31,19 @@ def test_a_benchmark_run_that_stops_or_fails_ends_with_one_line_and_its_exit_cod
     assert exited.value.code == code
     printed = capsys.readouterr()
     assert printed.out.count("\n") == 1 and says in printed.out and "Traceback" not in printed.err
+
+
+def test_a_pruned_run_keeps_its_metrics_gzipped_and_readable(common, tmp_path):
+    import json
+    import os
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step_000002").mkdir(parents=True)
+    rows = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "reward/mean": 0.25}, {"step": 1, "reward/mean": 0.75}]  # resumed: step 1 twice
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = common.read_metrics(str(out))
+    common.prune_run_outputs(str(out))
+    assert sorted(os.listdir(out)) == ["metrics.jsonl.gz"]
+    assert common.read_metrics(str(out)) == before == [rows[0], rows[2]]
+    with common.open_metrics(str(out / "metrics.jsonl")) as f:  # the path it had before: plot_run.py's argument
+        assert [json.loads(line) for line in f] == rows
