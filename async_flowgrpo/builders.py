@@ -62,12 +62,12 @@ def build_engine(cfg: Config, update_point: str):
     from async_flowgrpo.rollout.engine import DiffusersEngine
 
     policy = build_policy(cfg)
-    if fuse_lora(cfg, policy.autocast_dtype is not None):
+    if should_fuse_lora(cfg, policy.autocast_dtype is not None):
         policy.fuse_lora()
     return DiffusersEngine(policy, update_point=update_point)
 
 
-def fuse_lora(cfg: Config, low_precision: bool) -> bool:
+def should_fuse_lora(cfg: Config, low_precision: bool) -> bool:
     """rollout.fuse_lora, its default resolved. Folded weights round differently from the
     trainer's separate adapters: its recompute of a rollout's mean log-prob moved by 1.3e-4 on
     SD3.5-M (docs/gpu.md). The default objective absorbs that (the clip is centred on the trainer's

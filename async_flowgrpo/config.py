@@ -65,7 +65,7 @@ class RolloutConfig:
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
     # generate with the LoRA deltas folded into the base weights: the base model's speed (the
     # adapters' own matmuls cost 15 % on an H200); null: on where the policy computes in bf16/fp16
-    # (GPUs), unless algorithm.is_correction=step or prox_mode=bypass (builders.fuse_lora says why)
+    # (GPUs), unless algorithm.is_correction=step or prox_mode=bypass (builders.should_fuse_lora says why)
     fuse_lora: Optional[bool] = None
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
     # frames per video (video families: wan), rollouts and evaluation; 0 = the model's own

@@ -4,8 +4,9 @@
     python benchmarks/plot_run.py outputs/fully_async/metrics.jsonl [out.png]
     python benchmarks/plot_run.py seed0/metrics.jsonl seed1/metrics.jsonl seed2/metrics.jsonl curve.png
 
-A path may name a metrics.jsonl that was archived as metrics.jsonl.gz. One file: every eval metric. Several (e.g. seeds of one command): the training reward and
-eval/accuracy of each, one colour per file.
+One file: every eval metric. Several (e.g. seeds of one command): the training reward and
+eval/accuracy of each, one colour per file. A path may name a metrics.jsonl archived as
+metrics.jsonl.gz (benchmarks keep finished runs' metrics so).
 """
 
 import json

@@ -82,4 +82,4 @@ def test_engine_folds_lora_where_the_policy_computes_in_low_precision(tiny_model
     from async_flowgrpo.config import load_config
 
     cfg = load_config("sync", [f"model.path={tiny_model_dir}", "model.lora_rank=4", *overrides])
-    assert (build_engine(cfg, "between_steps").policy.lora_fused) == fused
+    assert build_engine(cfg, "between_steps").policy.lora_fused == fused
