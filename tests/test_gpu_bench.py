@@ -37,6 +37,7 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
     fused = result["rollout_fused"]
     assert fused["images_per_s"] > 0 and fused["trainer_logp_max_abs_diff_adapters"] == 0
     assert 0 < fused["trainer_logp_max_abs_diff_fused"] < 1e-2
+    assert fused["no_autocast"]["images_per_s"] > 0 and 0 < fused["trainer_logp_max_abs_diff_fused_no_autocast"] < 1e-1
     # model FLOPs are counted once, without checkpointing, and shared by the LoRA measurements
     flops = {result[k]["model_flops_per_step"] for k in ("train_lora_micro4_checkpointing", "train_lora_micro4",
                                                           "train_lora_micro16")}
