@@ -103,6 +103,22 @@ def two_node_command(mode, address, model_dir, prompts, out, *extra):
     ]
 
 
+def wait_until_marked_dead(address: str, node_id: str, timeout_s: float = 120) -> None:
+    """The GCS marks a killed raylet dead only after missed heartbeats (seconds later); until then
+    it still places actors there, and a run resumed at once would lose its rollout actor with
+    that node (seen in the suite: "an actor died at step 2")."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False)
+    try:
+        deadline = time.time() + timeout_s
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            assert time.time() < deadline, "the GCS did not mark the removed node dead"
+            time.sleep(0.5)
+    finally:
+        ray.shutdown()
+
+
 def test_two_nodes_every_mode_then_the_rollout_node_dies_and_the_run_resumes(two_nodes, tiny_model_dir, tmp_path):
     """Rollout actors on one node, the trainer on the other, in all three modes: weights and groups
     cross the node boundary. Then the rollout node's raylet is killed mid-run: the run stops with one
@@ -139,6 +155,7 @@ def test_two_nodes_every_mode_then_the_rollout_node_dies_and_the_run_resumes(two
     assert "last checkpoint: step_" in lines[-1] and "trainer.resume=latest" in lines[-1], lines[-3:]
     saved = max(r["step"] for r in metrics(out) if r["step"] % 2 == 0)
 
+    wait_until_marked_dead(nodes.address, rollout_node.node_id)
     nodes.add_node(num_cpus=2, resources={"rollout_node": 2})  # space for the rollout actors again
     resume = two_node_command("fully_async", nodes.address, tiny_model_dir, prompts, out,
                               f"trainer.total_steps={saved + 2}", "trainer.resume=latest")
