@@ -236,7 +236,7 @@ class Cluster:
         r, t = cfg.rollout, cfg.trainer
         self.transport = make_transport(cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb, timeout_s=cfg.sync.timeout_s,
                                         device=sync_device(cfg), verify=cfg.sync.verify)
-        if self.transport.device == "cpu" and max(r.gpus_per_worker, t.gpus_per_worker) > 0:
+        if self.transport.device == "cpu":  # only set when actors hold fractions of GPUs
             logger.info("weight sync over gloo on CPU buffers: actors take fractions of a GPU, and NCCL "
                         "cannot put two of them on one GPU")
         self.bundles = [_bundle(r)] * r.num_workers + [_bundle(t)] * t.num_workers

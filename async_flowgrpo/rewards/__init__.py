@@ -109,12 +109,13 @@ def check_options(name: str, options: dict) -> None:
 def get_reward(name: str, **options) -> RewardFn:
     """The reward registered as `name`, with keyword `options` bound (e.g. a local model path)."""
     check_options(name, options)
-    if name not in _REGISTRY:  # frames_<image reward>
-        from async_flowgrpo.rewards.video import frame_average
-
-        return frame_average(get_reward(name.removeprefix(FRAMES_PREFIX), **options))
     entry = _entry(name)
-    return functools.partial(entry, **options) if options else entry
+    fn = functools.partial(entry, **options) if options else entry
+    if name in _REGISTRY:
+        return fn
+    from async_flowgrpo.rewards.video import frame_average  # frames_<image reward>
+
+    return frame_average(fn)
 
 
 class CombinedReward:
