@@ -81,6 +81,15 @@ def should_fuse_lora(cfg: Config, low_precision: bool) -> bool:
     return low_precision and not exact
 
 
+def avoid_cudnn_attention_backward() -> None:
+    """Training processes take PyTorch's flash or memory-efficient attention, never cuDNN's: on an
+    H200 (torch 2.11, CUDA 13) cuDNN's fused attention failed in the backward of the Flux shape at
+    micro-batch 4 ("mha_graph.execute(...).is_good()", reported upstream as intermittent on H200;
+    without CUDA_LAUNCH_BLOCKING it surfaced later as CUBLAS_STATUS_EXECUTION_FAILED). Rollout
+    processes, which only run forwards, keep whichever backend PyTorch picks."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None
                   ) -> Learner | NFTLearner:
     """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh).
@@ -96,6 +105,8 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     # are cast to fp32 by the policy). Full fine-tuning therefore holds fp32 master weights and
     # computes in the model dtype: FSDP casts them when it gathers, otherwise autocast does.
     device = device or default_device()
+    if device.type == "cuda":
+        avoid_cudnn_attention_backward()
     compute_dtype = model_dtype(cfg) or default_dtype(device)
     master = {}
     if t.fsdp:

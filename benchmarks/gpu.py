@@ -16,7 +16,7 @@ Measured, in this order:
    with the adapters off, and with the LoRA deltas folded in (`rollout.fuse_lora`, what rollout
    actors do on GPUs) with how far the trainer's recompute is from its log-probs;
 3. the trainer step (`Learner.train_step`): LoRA at micro-batch 4 with gradient checkpointing, 4
-   without, 16 without (the config's); full fine-tuning (fp32 master weights, bf16 autocast) at
+   without, 16 without (the config's; `--train-rows` picks others); full fine-tuning (fp32 master weights, bf16 autocast) at
    micro-batch 4 with checkpointing: trained images/s, MFU, peak memory;
 4. the checkpoint engine on this one GPU: NCCL group of one rank (NCCL refuses two ranks on one
    device), GPU packing into buckets and unpacking, checked bit for bit;
@@ -31,6 +31,7 @@ written to the JSON as soon as it is known, so a failure loses nothing measured 
     python benchmarks/gpu.py                                   # SD3.5-Medium on a GPU (~4 min on an H200)
     python benchmarks/gpu.py --shape flux_dev --skip-embedded  # another family (no full fine-tuning at 12 B)
     python benchmarks/gpu.py --shape wan21_1_3b --skip-embedded --prompts 1 --group-size 4   # video: 190 s did not finish batch 16
+    CUDA_LAUNCH_BLOCKING=1 python benchmarks/gpu.py --shape flux_dev --train-only --train-rows 4c,4,8   # trainer rows alone
     python benchmarks/gpu.py --shape tiny --device cpu --repeats 1 --skip-embedded   # the same code, tiny (tests)
 
 Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import platform
@@ -127,6 +129,11 @@ def parse_args(argv):
     ap.add_argument("--prompts", type=int, default=2, help="prompts per batch")
     ap.add_argument("--group-size", type=int, default=8, help="images per prompt")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (after one warm-up)")
+    ap.add_argument("--frames", type=int, default=None, help="video shapes: frames per clip (default the shape's)")
+    ap.add_argument("--train-rows", default="4c,4,16",
+                    help="LoRA trainer rows, comma-separated micro-batch sizes, 'c' = gradient checkpointing on")
+    ap.add_argument("--skip-fused", action="store_true", help="no folded-LoRA rollout measurement")
+    ap.add_argument("--train-only", action="store_true", help="only the LoRA trainer rows, on one generated batch")
     ap.add_argument("--skip-full", action="store_true", help="no full fine-tuning measurement")
     ap.add_argument("--autocast-ab", action="store_true", help="only: the LoRA policy with and without autocast, interleaved")
     ap.add_argument("--skip-embedded", action="store_true", help="no embedded-default loop")
@@ -196,7 +203,8 @@ def build_pipeline(shape: dict):
 
         width = text_width(shape)
         pipe = build_tiny_qwen_image(TinyQwenImageSpec(vocab=vocab, text_hidden=width, text_layers=1,
-                                                       text_heads=max(2, width // 128), max_sequence_length=shape["text_tokens"]))
+                                                       text_heads=max(2, width // 128), max_sequence_length=shape["text_tokens"],
+                                                       text_kv_heads=max(2, width // 128)))  # torch's FLOP counter takes no GQA
         parts = dict(transformer=diffusers.QwenImageTransformer2DModel(**shape["transformer"]),
                      vae=diffusers.AutoencoderKLQwenImage(**shape.get("vae", {})))
     elif family == "wan":
@@ -404,15 +412,26 @@ def section_rollout(args, shape, device, peaks, result, save):
     result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
-    result["rollout_fused"] = fused_rollout(args, learner, cfg, prompts, sampling, device, rollout)
-    log(f"rollout, LoRA folded in (rollout.fuse_lora): {result['rollout_fused']}")
-    save()
+    if not args.skip_fused:
+        result["rollout_fused"] = fused_rollout(args, learner, cfg, prompts, sampling, device, rollout)
+        log(f"rollout, LoRA folded in (rollout.fuse_lora): {result['rollout_fused']}")
+        save()
 
     random_rewards(groups, cfg)
-    transformer = policy.adapter.transformer
-    # micro-batch 4 with checkpointing (for GPUs under 80 GB), 4 without, 16 without (sd35_medium.yaml's)
+    measure_train_rows(args, learner, groups, device, peaks, result, save)
+
+    section_engine(learner, device, result, save)
+    del learner, policy, adapter, pipe, enc, call, groups
+    return result
+
+
+def measure_train_rows(args, learner, groups, device, peaks, result, save) -> None:
+    """The LoRA trainer rows of --train-rows on `groups`. A failure other than running out of
+    memory is re-raised with the last nn.Linear the transformer entered (its input shape, dtype and
+    strides): under CUDA_LAUNCH_BLOCKING=1 that names the layer a failing kernel belongs to."""
+    transformer = learner.policy.adapter.transformer
     model_flops = None
-    for checkpointing, micro in ((True, 4), (False, 4), (False, 16)):
+    for checkpointing, micro in train_rows(args.train_rows):
         key = f"train_lora_micro{micro}" + ("_checkpointing" if checkpointing else "")
         try:
             if checkpointing:
@@ -420,7 +439,16 @@ def section_rollout(args, shape, device, peaks, result, save):
             else:
                 transformer.disable_gradient_checkpointing()
             learner.micro_batch_size = micro
-            result[key] = measure_train(args, learner, groups, device, peaks, model_flops)
+            tracing = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # (the hooks cost host time: off when timing)
+            with linear_trace(transformer) if tracing else contextlib.nullcontext({}) as last:
+                try:
+                    result[key] = measure_train(args, learner, groups, device, peaks, model_flops)
+                except torch.OutOfMemoryError:
+                    raise
+                except Exception:
+                    result[key] = {"error": traceback.format_exc(limit=4), "last_linear": dict(last)}
+                    save()
+                    raise
             model_flops = result[key]["model_flops_per_step"]
             log(f"{key}: {result[key]['images_per_s']} trained images/s, {result[key].get('tflops')} TFLOP/s, "
                 f"peak {result[key]['peak_memory_gb']} GB")
@@ -428,9 +456,39 @@ def section_rollout(args, shape, device, peaks, result, save):
             result[key] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         save()
 
-    section_engine(learner, device, result, save)
-    del learner, policy, adapter, pipe, enc, call, groups
-    return result
+
+@contextlib.contextmanager
+def linear_trace(module: torch.nn.Module):
+    """Yields a dict that holds, at any moment, the last nn.Linear under `module` entered and its input."""
+    last: dict = {}
+
+    def record(name, layer, inputs):
+        x = inputs[0]
+        last.update(name=name, input=list(x.shape), input_dtype=str(x.dtype), input_stride=list(x.stride()),
+                    weight=list(layer.weight.shape), weight_dtype=str(layer.weight.dtype))
+
+    handles = [m.register_forward_pre_hook(functools.partial(record, name))
+               for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        yield last
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def section_train_only(args, shape, device, peaks, result, save):
+    """Only the trainer rows (no pipeline or rollout timing): one generated batch, then --train-rows."""
+    cfg = bench_config(args, shape, args.validation_dir)
+    learner = build_learner(cfg, device=device, adapter=make_adapter(shape, device, torch.bfloat16))
+    groups = learner.policy.generate(PROMPTS[: args.prompts], args.group_size, **rollout_sampling(cfg.rollout), seed=0)
+    random_rewards(groups, cfg)
+    measure_train_rows(args, learner, groups, device, peaks, result, save)
+    del learner, groups
+
+
+def train_rows(spec: str) -> list[tuple[bool, int]]:
+    """'4c,4,16' -> [(True, 4), (False, 4), (False, 16)]: (gradient checkpointing, micro-batch size)."""
+    return [(row.endswith("c"), int(row.rstrip("c"))) for row in spec.split(",") if row]
 
 
 def fused_rollout(args, learner, cfg, prompts, sampling, device, rollout) -> dict:
@@ -632,6 +690,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     device = torch.device(args.device)
     shape = SHAPES[args.shape]
+    if args.frames is not None and "num_frames" in shape:
+        shape = {**shape, "num_frames": args.frames}
     info = device_info(device)
     name = info.get("name", device.type).replace(" ", "_")
     path = args.out or os.path.join(RESULTS, "gpu", f"{args.shape}_{name}.json")
@@ -648,9 +708,11 @@ def main(argv=None) -> dict:
     sections = [("rollout_and_lora", lambda: section_rollout(args, shape, device, peaks, result, save))]
     if args.autocast_ab:
         sections = [("autocast_ab", lambda: section_autocast_ab(args, shape, device, result, save))]
-    if not args.skip_full and not args.autocast_ab and shape.get("full_fine_tuning", True):
+    elif args.train_only:
+        sections = [("train_only", lambda: section_train_only(args, shape, device, peaks, result, save))]
+    if not (args.skip_full or args.autocast_ab or args.train_only) and shape.get("full_fine_tuning", True):
         sections.append(("full", lambda: section_full(args, shape, device, peaks, result, save)))
-    if not args.skip_embedded and not args.autocast_ab:
+    if not (args.skip_embedded or args.autocast_ab or args.train_only):
         sections.append(("embedded", lambda: section_embedded(args, device, result, save)))
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as workdir:
         args.validation_dir = validation_model(shape, workdir)

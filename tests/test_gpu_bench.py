@@ -128,3 +128,25 @@ def test_autocast_ab_interleaves_both_settings(gpu, tmp_path):
     assert result["errors"] == {} and set(ab) == {"torch.bfloat16", "None"}
     assert all(len(row["rollout_s"]) == len(row["train_s"]) == 2 for row in ab.values())
     assert "rollout" not in result and "train_full" not in result  # that section alone
+
+
+def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, tmp_path, monkeypatch):
+    """--train-only measures just --train-rows; a row that fails (not out of memory) is recorded with
+    the last nn.Linear entered when CUDA_LAUNCH_BLOCKING=1 (how a failing GEMM was traced on a GPU)."""
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",
+                       "--group-size", "4", "--train-rows", "2c,4", "--out", str(tmp_path / "a.json")])
+    assert result["errors"] == {} and "pipeline" not in result and "train_full" not in result
+    assert result["train_lora_micro2_checkpointing"]["images"] == 4 and result["train_lora_micro4"]["images_per_s"] > 0
+    assert gpu.train_rows("4c,16") == [(True, 4), (False, 16)]
+
+    def broken(args, learner, *rest):
+        learner.train_step(rest[0], version=0)  # runs the transformer's layers, then fails as a kernel would
+        raise RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED")
+
+    monkeypatch.setattr(gpu, "measure_train", broken)
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",
+                       "--group-size", "2", "--train-rows", "2", "--out", str(tmp_path / "b.json")])
+    row = result["train_lora_micro2"]
+    assert "CUBLAS_STATUS_EXECUTION_FAILED" in row["error"] and "train_only" in result["errors"]
+    assert row["last_linear"]["name"] and len(row["last_linear"]["input"]) == 3

@@ -50,6 +50,7 @@ class TinyQwenImageSpec:
     text_hidden: int = 32  # Qwen2.5-VL hidden size = joint_attention_dim
     text_layers: int = 2
     text_heads: int = 2
+    text_kv_heads: int = 1  # grouped-query attention, as in Qwen2.5-VL
     max_sequence_length: int = 16  # text tokens after the template prefix (embeddings are padded to it)
     vae_base_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 2)  # len 2 -> latents at resolution / 2
@@ -91,7 +92,7 @@ def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditiona
             intermediate_size=2 * spec.text_hidden,
             num_hidden_layers=spec.text_layers,
             num_attention_heads=spec.text_heads,
-            num_key_value_heads=1,
+            num_key_value_heads=spec.text_kv_heads,
             max_position_embeddings=256,
             # multimodal RoPE sections (temporal, height, width) over head_dim / 2 frequencies
             rope_parameters={
