@@ -35,8 +35,8 @@ def twins(tmp_path_factory):
     return {v: make_tiny_wan_dir(str(tmp_path_factory.mktemp(v)), v) for v in ("wan22_a14b", "wan22_ti2v_5b")}
 
 
-def cond_of(g):
-    n = g.size
+def cond_of(g, n=None):
+    n = n or g.size
     return [t.unsqueeze(0).expand(n, *t.shape) if t is not None else None for t in
             (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)]
 
@@ -81,3 +81,82 @@ def test_ode_sampler_matches_wan_pipeline(twins, variant):
     if two:  # the second scale matters: with guidance_scale_2 = guidance_scale the result differs
         adapter.select_experts()
         assert (ode_sample(adapter, x0, GUIDANCE) - x).abs().max() > 1e-4
+
+
+def rollout(path, seed=0, **policy_kw):
+    policy = DiffusionPolicy(path, lora_rank=4, lora_alpha=8, **policy_kw)
+    groups = policy.generate([PROMPT, "a blue square moving right"], 2, num_steps=STEPS, guidance_scale=GUIDANCE,
+                             noise_level=0.7, sde_type="sde", window_size=STEPS - 1, seed=seed)
+    return policy, groups
+
+
+@pytest.mark.parametrize("variant,policy_kw", [
+    ("wan22_a14b", dict(guidance_scale_2=GUIDANCE_2)),
+    ("wan22_a14b", dict(trained_experts=["transformer_2"])),
+    ("wan22_ti2v_5b", {}),
+])
+def test_recompute_reproduces_logprobs_on_every_step(twins, variant, policy_kw):
+    """The window covers steps 0-2: step 1 by transformer, step 2 by transformer_2 on the A14B twin.
+    A batch whose rows are different steps (the trainer's batched replay) gives each row its expert."""
+    policy, groups = rollout(twins[variant], **policy_kw)
+    g = groups[0]
+    n, cond = g.size, cond_of(g)
+    step = dict(guidance_scale=GUIDANCE, noise_level=0.7, sde_type="sde")
+    for j in range(g.log_probs.shape[1]):
+        with torch.no_grad():
+            log_prob, *_ = policy.recompute(g.latents[:, j], g.latents[:, j + 1], g.sigmas[j].expand(n),
+                                            g.sigmas[j + 1].expand(n), *cond, **step)
+        assert (log_prob.cpu() - g.log_probs[:, j]).abs().max() < 1e-5, f"step {j}"
+    # rows: sample 0 at step 1, sample 1 at step 2, sample 0 at step 2 (one batch, both experts)
+    rows = [(0, 1), (1, 2), (0, 2)]
+    pick = lambda t, off=0: torch.stack([t[i, j + off] for i, j in rows])  # noqa: E731
+    sig = lambda off: torch.stack([g.sigmas[j + off] for _, j in rows])  # noqa: E731
+    with torch.no_grad():
+        log_prob, *_ = policy.recompute(pick(g.latents), pick(g.latents, 1), sig(0), sig(1), *cond_of(g, 3), **step)
+    assert (log_prob.cpu() - torch.stack([g.log_probs[i, j] for i, j in rows])).abs().max() < 1e-5
+
+
+def test_lora_goes_on_the_trained_experts_only(twins):
+    path = twins["wan22_a14b"]
+    both = DiffusionPolicy(path, lora_rank=4, lora_alpha=8)
+    names = list(both.trainable_state())
+    assert {n.split(".")[0] for n in names} == {"transformer", "transformer_2"} and all("lora_" in n for n in names)
+    low = DiffusionPolicy(path, lora_rank=4, lora_alpha=8, trained_experts=["transformer_2"])
+    assert list(low.trainable_state()) == [n for n in names if n.startswith("transformer_2.")]
+    pipe = low.adapter.pipeline
+    assert not any("lora_" in n for n, _ in pipe.transformer.named_parameters())
+    assert pipe.transformer in low.adapter.frozen_modules and not any(p.requires_grad for p in pipe.transformer.parameters())
+    # the same initial adapters in every process that builds the policy (no sync needed at start)
+    again = DiffusionPolicy(path, lora_rank=4, lora_alpha=8)
+    assert all(torch.equal(v, again.trainable_state()[k]) for k, v in both.trainable_state().items())
+    with pytest.raises(ValueError, match=r"model.trained_experts \['transformer_3'\]: choose from transformer, transformer_2"):
+        DiffusionPolicy(path, lora_rank=4, trained_experts=["transformer_3"])
+
+
+def test_update_trains_both_experts_and_the_saved_loras_load_into_wan_pipeline(twins, tmp_path):
+    from diffusers import WanPipeline
+
+    path = twins["wan22_a14b"]
+    policy, groups = rollout(path, guidance_scale_2=GUIDANCE_2)
+    for g in groups:
+        g.advantages = torch.tensor([-1.0, 1.0])
+    before = {k: v.clone() for k, v in policy.trainable_state().items()}
+    metrics = Learner(policy, micro_batch_size=2, clip_range=1e-2, lr=1e-2).train_step(groups, version=0)
+    assert metrics["train/skipped_nonfinite"] == 0 and metrics["logp/max_abs_diff"] < 1e-5
+    after = policy.trainable_state()
+    changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k]) and "lora_B" in k}
+    assert changed == {"transformer", "transformer_2"}  # one optimizer over both experts' adapters
+
+    policy.adapter.save_lora(str(tmp_path), policy.trainable_state())  # as the trainer saves weights
+    assert sorted(os.listdir(tmp_path)) == ["pytorch_lora_weights.safetensors", "transformer_2"]
+    pipe = WanPipeline.from_pretrained(path, local_files_only=True)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(tmp_path))
+    pipe.load_lora_weights(str(tmp_path / "transformer_2"), load_into_transformer_2=True)
+    x0 = torch.randn((1, *policy.adapter.latent_shape(32, 32)), generator=torch.Generator().manual_seed(2))
+    ref = pipe(output_type="latent", guidance_scale_2=GUIDANCE_2, **{
+        k: v for k, v in pipe_kwargs(policy.adapter, x0).items() if k != "negative_prompt"},
+        negative_prompt=policy.adapter.negative_prompt).frames
+    ours = ode_sample(policy.adapter, x0, GUIDANCE)
+    torch.testing.assert_close(ours, ref.float(), atol=1e-4, rtol=1e-4)
+    assert (ours - ode_sample(load_adapter(path, device="cpu", dtype=torch.float32), x0, GUIDANCE)).abs().max() > 0

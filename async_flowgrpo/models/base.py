@@ -130,10 +130,7 @@ class FamilyAdapter(TransformerPlacement):
     def save_lora(self, path: str, state: dict[str, Tensor]) -> None:
         """The LoRA weights of `state` (trainable_state's names) in the family pipeline's own
         format, loadable by `pipe.load_lora_weights(path)`."""
-        from peft.utils import get_peft_model_state_dict
-
-        lora = get_peft_model_state_dict(self.transformer, state_dict=state)
-        type(self.pipeline).save_lora_weights(path, transformer_lora_layers=lora)
+        save_peft_lora(type(self.pipeline), path, self.transformer, state)
 
     @property
     def frozen_modules(self) -> list[nn.Module]:
@@ -245,3 +242,14 @@ class FamilyAdapter(TransformerPlacement):
         vae = self.pipeline.vae
         x = self._from_vae(vae.decode(self._latents_for_vae(latents.to(self.device, vae.dtype)), return_dict=False)[0])
         return ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).movedim(1, -1).cpu()
+
+
+def save_peft_lora(pipeline_class, path: str, transformer: nn.Module, state: dict[str, Tensor]) -> None:
+    """`transformer`'s LoRA weights from `state` with its LoraConfig as the file's metadata: without
+    it the loader takes lora_alpha = rank, and a pipeline would run the adapters at r / alpha of
+    their trained scale."""
+    from peft.utils import get_peft_model_state_dict
+
+    lora = get_peft_model_state_dict(transformer, state_dict=state)
+    metadata = transformer.peft_config["default"].to_dict()
+    pipeline_class.save_lora_weights(path, transformer_lora_layers=lora, transformer_lora_adapter_metadata=metadata)

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from async_flowgrpo.models import WAN_NUM_FRAMES
-from async_flowgrpo.models.base import FamilyAdapter
+from async_flowgrpo.models.base import FamilyAdapter, save_peft_lora
 from async_flowgrpo.models.common import PromptEmbeds, denormalize_latents
 
 logger = logging.getLogger(__name__)
@@ -170,14 +170,11 @@ class WanAdapter(FamilyAdapter):
         `transformer_2`'s at path/transformer_2 (load it with load_into_transformer_2=True)."""
         if len(self.experts) == 1:
             return super().save_lora(path, state)
-        from peft.utils import get_peft_model_state_dict
-
         for name in self.trained:
             prefix = f"{name}."
             own = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            lora = get_peft_model_state_dict(getattr(self.pipeline, name), state_dict=own)
             out = path if name == "transformer" else os.path.join(path, name)
-            type(self.pipeline).save_lora_weights(out, transformer_lora_layers=lora)
+            save_peft_lora(type(self.pipeline), out, getattr(self.pipeline, name), own)
 
     def velocity(self, latents: Tensor, sigma: Tensor, *cond: Tensor | None, guidance_scale: float,
                  transformer: nn.Module | None = None, **kwargs) -> Tensor:
