@@ -160,3 +160,40 @@ def test_update_trains_both_experts_and_the_saved_loras_load_into_wan_pipeline(t
     ours = ode_sample(policy.adapter, x0, GUIDANCE)
     torch.testing.assert_close(ours, ref.float(), atol=1e-4, rtol=1e-4)
     assert (ours - ode_sample(load_adapter(path, device="cpu", dtype=torch.float32), x0, GUIDANCE)).abs().max() > 0
+
+
+def test_presets_load_and_the_expert_keys_are_validated(twins, capsys):
+    from async_flowgrpo.builders import build_policy
+    from async_flowgrpo.config import CONFIG_DIR, config_or_exit
+
+    a14b, ti2v = twins["wan22_a14b"], twins["wan22_ti2v_5b"]
+    preset = os.path.join(CONFIG_DIR, "model", "wan22_t2v_a14b.yaml")
+    cfg = load_config("fully_async", [preset, f"model.path={a14b}"])
+    assert (cfg.model.guidance_scale_2, cfg.rollout.guidance_scale, cfg.rollout.num_frames) == (3.0, 4.0, 81)
+    cfg = load_config("fully_async", [os.path.join(CONFIG_DIR, "model", "wan22_ti2v_5b.yaml"), f"model.path={ti2v}"])
+    assert (cfg.rollout.num_frames, cfg.rollout.resolution, cfg.rollout.guidance_scale) == (121, 704, 5.0)
+
+    video = ["model.family=wan", "reward.weights={temporal_consistency: 1.0}", "model.lora_rank=4", "model.lora_alpha=8"]
+    cfg = load_config("sync", [f"model.path={a14b}", *video, "model.trained_experts=[transformer_2]",
+                               "model.guidance_scale_2=2.0"])
+    policy = build_policy(cfg)  # the keys reach the policy and its adapter
+    assert policy.adapter.trained == ("transformer_2",) and policy.adapter.guidance_scale_2 == 2.0
+    assert all(k.startswith("transformer_2.") for k in policy.trainable_state())
+
+    bad = [
+        ([f"model.path={a14b}", "model.trained_experts=[transformer_3]"],
+         r"^model.trained_experts: \['transformer_3'\]: choose from the model's experts \(transformer, transformer_2\)"),
+        ([f"model.path={a14b}", "model.trained_experts=[]"], "^model.trained_experts: "),
+        ([f"model.path={a14b}", "model.guidance_scale_2=0.5"], r"^model.guidance_scale_2: 0.5: must be >= 1"),
+        ([f"model.path={ti2v}", "model.guidance_scale_2=3.0"], r"^model.guidance_scale_2: the model has one transformer"),
+        ([f"model.path={ti2v}", "model.trained_experts=[transformer_2]"], "^model.trained_experts: "),
+        ([f"model.path={a14b}", "trainer.fsdp=true"], "^trainer.fsdp: not for two-expert models"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_config("sync", [*video, *overrides])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        config_or_exit("sync", [*video, f"model.path={ti2v}", "model.guidance_scale_2=3.0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("config error: model.guidance_scale_2")
