@@ -91,6 +91,10 @@ class Experts(nn.Module):
         for module in self.children():
             module.enable_adapters()
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return all(module.is_gradient_checkpointing for module in self.children())
+
     def enable_gradient_checkpointing(self) -> None:
         for module in self.children():
             module.enable_gradient_checkpointing()
