@@ -46,6 +46,8 @@ def build_policy(cfg: Config, adapter=None, **kwargs):
         lora_alpha=cfg.model.lora_alpha,
         lora_init_seed=cfg.trainer.seed,
         num_frames=cfg.rollout.num_frames,  # rollouts and evaluation both generate through this policy
+        trained_experts=cfg.model.trained_experts,
+        guidance_scale_2=cfg.model.guidance_scale_2,
         **kwargs,
     )
     if cfg.model.gradient_checkpointing:

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
-from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, video_frames
+from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, model_experts, video_frames
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
 
@@ -40,6 +40,12 @@ class ModelConfig:
     lora_alpha: int = 64
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     gradient_checkpointing: bool = False
+    # two-expert models (Wan2.2 A14B): the experts that train, by pipeline name: transformer (high
+    # noise) and/or transformer_2 (low noise); null = all. The others denoise frozen
+    trained_experts: Optional[list[str]] = None
+    # two-expert models: transformer_2's CFG scale (>= 1) wherever the call's guidance_scale > 1
+    # (rollout, evaluation, the trainer's replay); null = the call's (WanPipeline's guidance_scale_2)
+    guidance_scale_2: Optional[float] = None
 
 
 @dataclass
@@ -306,6 +312,19 @@ def validate(c: Config) -> None:
     )
     _require(c.model.lora_rank >= 0, "model.lora_rank", "must be >= 0 (0 = full fine-tune)")
     _require(c.model.lora_alpha > 0, "model.lora_alpha", "must be > 0")
+    experts = model_experts(model_dir)
+    names = ", ".join(experts)
+    if c.model.trained_experts is not None:
+        trained = list(c.model.trained_experts)
+        _require(bool(trained) and set(trained) <= set(experts), "model.trained_experts",
+                 f"{trained}: choose from the model's experts ({names}), or null for all")
+        _require(len(set(trained)) == len(trained), "model.trained_experts", f"{trained}: an expert named twice")
+    if c.model.guidance_scale_2 is not None:
+        _require(len(experts) > 1, "model.guidance_scale_2", f"the model has one transformer ({names}); use null")
+        _require(c.model.guidance_scale_2 >= 1, "model.guidance_scale_2",
+                 f"{c.model.guidance_scale_2:g}: must be >= 1 (1: no guidance on transformer_2), or null")
+    _require(not (len(experts) > 1 and c.trainer.fsdp), "trainer.fsdp",
+             "not for two-expert models yet (shards one transformer); use false")
 
     r = c.rollout
     _choice(r.engine, "rollout.engine", ("diffusers", "vllm_omni"))

@@ -52,6 +52,8 @@ class DiffusionPolicy:
         lora_init_seed: int = 0,
         reference_copy: bool = False,
         num_frames: int = 0,
+        trained_experts: list[str] | None = None,
+        guidance_scale_2: float | None = None,
     ):
         """model_path: a model directory, or an adapter already built in memory (benchmarks/gpu.py's
         real-size models with random weights), moved here to device and dtype. autocast_dtype:
@@ -61,7 +63,9 @@ class DiffusionPolicy:
         matrices identical in every process that builds the policy (trainers and rollout actors
         start equal without a weight sync). reference_copy keeps a frozen copy of the initial
         transformer for the KL term of full fine-tuning (LoRA needs none: adapters off). num_frames
-        > 0: frames per video of a video family (0: the model's own)."""
+        > 0: frames per video of a video family (0: the model's own). trained_experts and
+        guidance_scale_2: a two-expert model's (Wan2.2 A14B) experts to train (None: all) and its
+        low-noise expert's CFG scale (None: the call's), see FamilyAdapter.select_experts."""
         self.device = torch.device(device)
         self.dtype = dtype if dtype is not None else default_dtype(self.device)
         # Low-precision weights compute under autocast too: the LoRA adapters are fp32 (for Adam),
@@ -72,6 +76,7 @@ class DiffusionPolicy:
             self.adapter = model_path.to(self.device, self.dtype)
         else:
             self.adapter = load_adapter(model_path, device=self.device, dtype=self.dtype, num_frames=num_frames)
+        self.adapter.select_experts(trained_experts, guidance_scale_2=guidance_scale_2)
         self.lora_rank = lora_rank
         self._fused: dict[nn.Module, Tensor] = {}  # LoRA layer -> its base weight, while fused (fuse_lora)
         for module in self.adapter.frozen_modules:
@@ -124,7 +129,7 @@ class DiffusionPolicy:
         return self.lora_rank > 0 or self._ref_transformer is not None
 
     def transformers(self) -> list[nn.Module]:
-        """The transformer and, for full fine-tuning with a KL term, its frozen reference copy."""
+        """The trained transformer (or experts) and, for full fine-tuning with a KL term, its frozen reference copy."""
         return [self.adapter.transformer] + ([self._ref_transformer] if self._ref_transformer is not None else [])
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -2,8 +2,9 @@
 """GPU smoke and speed: real-size model shapes with random weights, in one process.
 
 No download: each shape's transformer and VAE are built from the public checkpoint's config with
-random weights. `--shape` picks SD3.5-Medium (default), FLUX.1-dev (12 B), Qwen-Image (20 B) or
-Wan2.1-T2V-1.3B (33 frames at 480 x 480). Text encoders are stand-ins of one or two layers at the
+random weights. `--shape` picks SD3.5-Medium (default), FLUX.1-dev (12 B), Qwen-Image (20 B),
+Wan2.1-T2V-1.3B, Wan2.2-T2V-A14B (two 14 B experts) or Wan2.2-TI2V-5B (the videos: 33 frames at
+480 x 480). Text encoders are stand-ins of one or two layers at the
 width the transformer takes (SD3's two CLIPs at full size; T5 left out, as in the embedded model,
 so the pipeline pads its 256 tokens with zeros): the transformer sees real-size inputs, and text
 encoding, once per batch, is cheaper than with the real encoders. Settings are the family's
@@ -67,6 +68,10 @@ from async_flowgrpo.sampling import rollout_sampling  # noqa: E402
 # the matmul rate measured on the device, which is what a kernel can reach.
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0}
 
+def _tiny(config: dict, **sizes) -> dict:
+    return {**config, **sizes}
+
+
 # Real-size shapes (the public checkpoints' transformer configs) and tiny twins of each for the
 # tests. `text`: the stand-in text encoders' widths (they must match the transformer's inputs; their
 # depth is 1-2 layers, except SD3's CLIP pair at full size); `vae`: real-size VAE unless given.
@@ -82,10 +87,12 @@ QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, 
 WAN21_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
                   text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                   qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
-
-
-def _tiny(config: dict, **sizes) -> dict:
-    return {**config, **sizes}
+# Wan2.2 T2V-A14B: two experts of this shape (transformer, transformer_2); TI2V-5B: one, over the Wan2.2 VAE
+WAN22_A14B = _tiny(WAN21_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+WAN22_TI2V_5B = _tiny(WAN21_1_3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
+                 scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
 
 
 SHAPES = {
@@ -98,6 +105,11 @@ SHAPES = {
                        full_fine_tuning=False),
     "wan21_1_3b": dict(family="wan", config="wan21_t2v_1_3b", transformer=WAN21_1_3B, text_tokens=512, resolution=480,
                        num_frames=33),
+    # `variant`: the tiny_wan layout (validation model, experts, per-token timesteps); 2 x 14 B in bf16
+    "wan22_a14b": dict(family="wan", variant="wan22_a14b", config="wan22_t2v_a14b", transformer=WAN22_A14B,
+                       text_tokens=512, resolution=480, num_frames=33, full_fine_tuning=False),
+    "wan22_ti2v_5b": dict(family="wan", variant="wan22_ti2v_5b", config="wan22_ti2v_5b", transformer=WAN22_TI2V_5B,
+                          vae=WAN22_VAE, text_tokens=512, resolution=480, num_frames=33),
     # tiny twins: the same code on CPU in seconds (tests)
     "tiny": dict(family="sd3", config="sd35_medium", clip=((32, 1, 2), (32, 1, 2)), text_tokens=4, resolution=64,
                  transformer=_tiny(SD35_MEDIUM, sample_size=8, num_layers=2, attention_head_dim=16, num_attention_heads=2,
@@ -117,6 +129,11 @@ SHAPES = {
                      transformer=_tiny(WAN21_1_3B, num_attention_heads=2, attention_head_dim=12, text_dim=32, freq_dim=32,
                                        ffn_dim=48, num_layers=1, rope_max_seq_len=32),
                      vae=dict(base_dim=8)),
+    "tiny_wan22_a14b": dict(family="wan", variant="wan22_a14b", config="wan22_t2v_a14b", text_tokens=8, resolution=64,
+                            num_frames=5, transformer=_tiny(WAN22_A14B, num_attention_heads=2, attention_head_dim=12,
+                                                            text_dim=32, freq_dim=32, ffn_dim=48, num_layers=1,
+                                                            rope_max_seq_len=32),
+                            vae=dict(base_dim=8), full_fine_tuning=False),
 }
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a yellow star above a purple circle",
            "three blue squares"]
@@ -208,11 +225,15 @@ def build_pipeline(shape: dict):
         parts = dict(transformer=diffusers.QwenImageTransformer2DModel(**shape["transformer"]),
                      vae=diffusers.AutoencoderKLQwenImage(**shape.get("vae", {})))
     elif family == "wan":
-        from async_flowgrpo.models.tiny_wan import TinyWanSpec, build_tiny_wan
+        from async_flowgrpo.models.tiny_wan import VARIANTS, TinyWanSpec, build_tiny_wan
 
-        pipe = build_tiny_wan(TinyWanSpec(vocab=vocab, text_hidden=text_width(shape), max_sequence_length=shape["text_tokens"]))
+        pipe = build_tiny_wan(TinyWanSpec(vocab=vocab, text_hidden=text_width(shape), max_sequence_length=shape["text_tokens"],
+                                          **VARIANTS[shape.get("variant", "wan21")]))
         parts = dict(transformer=diffusers.WanTransformer3DModel(**shape["transformer"]),
-                     vae=diffusers.AutoencoderKLWan(**shape.get("vae", {})))
+                     vae=diffusers.AutoencoderKLWan(**shape.get("vae", {})),
+                     boundary_ratio=pipe.config.boundary_ratio, expand_timesteps=pipe.config.expand_timesteps)
+        if pipe.transformer_2 is not None:
+            parts["transformer_2"] = diffusers.WanTransformer3DModel(**shape["transformer"])
     else:
         raise ValueError(f"unknown family {family!r}")
     return type(pipe)(**{**pipe.components, **parts})
@@ -255,10 +276,11 @@ def validation_model(shape: dict, workdir: str) -> str:
 
     make = {"sd3": tiny_sd3.make_tiny_model_dir, "flux": tiny_flux.make_tiny_flux_dir,
             "qwen_image": tiny_qwen_image.make_tiny_qwen_image_dir, "wan": tiny_wan.make_tiny_wan_dir}[shape["family"]]
-    return make(os.path.join(workdir, shape["family"]))
+    variant = {"variant": shape["variant"]} if "variant" in shape else {}
+    return make(os.path.join(workdir, shape["family"]), **variant)
 
 
-def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict) -> dict:
+def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict, guidance_scale_2: float | None = None) -> dict:
     """A plain pipeline call's arguments for the batch our rollout generates: the same
     conditioning (embeddings given, repeated per image: the pipelines do not repeat given ones),
     steps, guidance and size."""
@@ -279,8 +301,9 @@ def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict) -> dict:
         return dict(prompt_embeds=rep(enc.embeds[:, :length]), prompt_embeds_mask=rep(enc.pooled[:, :length].long()),
                     negative_prompt_embeds=rep(enc.negative_embeds[:, :length]),
                     negative_prompt_embeds_mask=rep(enc.negative_pooled[:, :length].long()), true_cfg_scale=g, **out)
+    two = {"guidance_scale_2": guidance_scale_2} if guidance_scale_2 is not None else {}  # A14B's low-noise expert
     return dict(prompt_embeds=rep(enc.embeds), negative_prompt_embeds=rep(enc.negative_embeds), guidance_scale=g,
-                num_frames=shape["num_frames"], **out)
+                num_frames=shape["num_frames"], **two, **out)
 
 
 # ---------------------------------------------------------------- measuring
@@ -369,7 +392,7 @@ def section_rollout(args, shape, device, peaks, result, save):
     reset_memory(device)
     adapter = make_adapter(shape, device, torch.bfloat16)  # config/model/*.yaml's model.dtype
     enc = adapter.encode_prompts(prompts, cfg=True)
-    call = pipeline_kwargs(shape, enc, args.group_size, sampling)
+    call = pipeline_kwargs(shape, enc, args.group_size, sampling, cfg.model.guidance_scale_2)
     pipe = adapter.pipeline
     pipe.set_progress_bar_config(disable=True)
 

@@ -120,9 +120,17 @@ def test_doc_commands_exist_and_take_their_flags(help_texts):
             assert flag in usage, f"{doc}: `python {shlex.join(words)}`: {target} has no {flag}"
 
 
-def test_doc_launcher_commands_load(tiny_model_dir):
+@pytest.fixture(scope="module")
+def tiny_a14b_dir(tmp_path_factory):
+    from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+
+    return make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_a14b")), "wan22_a14b")
+
+
+def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir):
     """A launcher (or evaluation) command's YAML files and overrides are a valid config. A model path
-    that only exists on a GPU machine is swapped for the tiny test model."""
+    that only exists on a GPU machine is swapped for the tiny test model (the two-expert twin for
+    the two-expert preset, whose expert keys are checked against the model)."""
     checked = 0
     for doc, words in ALL_COMMANDS:
         if words[0] in LAUNCHERS:
@@ -138,7 +146,8 @@ def test_doc_launcher_commands_load(tiny_model_dir):
         os.chdir(ROOT)
         try:
             if any(a.startswith("config/model/") for a in args):
-                args.append(f"model.path={tiny_model_dir}")
+                two_experts = any(a.startswith("config/model/wan22_t2v_a14b") for a in args)
+                args.append(f"model.path={tiny_a14b_dir if two_experts else tiny_model_dir}")
             load_config(mode, args)
         except Exception as e:  # noqa: BLE001 - the message names the command
             raise AssertionError(f"{doc}: `python {shlex.join(words)}`: {e}") from None

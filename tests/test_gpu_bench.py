@@ -50,7 +50,7 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["tiny_flux", "tiny_qwen_image", "tiny_wan"])
+@pytest.mark.parametrize("shape", ["tiny_flux", "tiny_qwen_image", "tiny_wan", "tiny_wan22_a14b"])
 def test_every_family_runs_the_rollout_and_trainer_sections(gpu, tmp_path, shape):
     """Each family's pipeline call takes the conditioning our adapter made, and our rollout and
     trainer run on the model built in memory (full fine-tuning only where the shape allows it)."""
@@ -67,7 +67,8 @@ def test_every_family_runs_the_rollout_and_trainer_sections(gpu, tmp_path, shape
 def test_real_shapes_build_on_the_meta_device(gpu):
     """The real-size configs are valid for their diffusers classes (no memory: meta tensors), and
     the sizes are the public ones (parameters of the transformer, billions)."""
-    expected = {"sd35_medium": 2.2, "flux_dev": 11.9, "qwen_image": 20.4, "wan21_1_3b": 1.4}
+    expected = {"sd35_medium": 2.2, "flux_dev": 11.9, "qwen_image": 20.4, "wan21_1_3b": 1.4,
+                "wan22_a14b": 14.3, "wan22_ti2v_5b": 5.0}  # A14B: each of its two experts
     import diffusers
 
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",

@@ -114,7 +114,6 @@ def test_ode_sampler_matches_wan_pipeline(wan):
 
 def test_update_changes_only_lora_and_the_saved_lora_loads_into_wan_pipeline(wan, tmp_path):
     from diffusers import WanPipeline
-    from peft.utils import get_peft_model_state_dict
 
     policy, groups = wan["policy"], wan["groups"]
     for g in groups:
@@ -130,9 +129,7 @@ def test_update_changes_only_lora_and_the_saved_lora_loads_into_wan_pipeline(wan
     assert changed and all("lora_" in k for k in changed)
     assert any("lora_B" in k for k in changed)
 
-    # as the trainer saves LoRA weights (actors/trainer.py: the family's own pipeline format)
-    WanPipeline.save_lora_weights(str(tmp_path), transformer_lora_layers=get_peft_model_state_dict(
-        transformer, state_dict=policy.trainable_state()))
+    policy.adapter.save_lora(str(tmp_path), policy.trainable_state())  # as the trainer saves LoRA weights
     pipe = WanPipeline.from_pretrained(wan["path"], local_files_only=True)
     pipe.set_progress_bar_config(disable=True)
     kwargs = dict(prompt=PROMPT, height=32, width=32, num_frames=FRAMES, num_inference_steps=2, guidance_scale=1.0,

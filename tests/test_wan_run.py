@@ -1,6 +1,8 @@
-"""The Wan video family end to end on Ray: sync, one_step_off and fully_async on the tiny Wan twin
-(5 frames of 32 x 32) with a video reward, every weight publication digest-verified, and sync and
-fully_async runs resumed from their checkpoints with exact step and sample counts.
+"""The Wan video family end to end on Ray: sync, one_step_off and fully_async on each tiny Wan twin
+(5 frames of 32 x 32: Wan2.1, Wan2.2 A14B's two experts, Wan2.2 TI2V-5B's per-token timesteps) with
+a video reward, every weight publication digest-verified, and sync and fully_async runs resumed from
+their checkpoints with exact step and sample counts. The A14B twin samples 4 steps, so that the
+trained window spans both experts; its checkpoints and saved LoRAs hold both.
 
 The runs go one after another in one test: starting the actors (imports, model load) is most of
 their cost, and the resume needs the first fully_async run anyway.
@@ -22,17 +24,20 @@ WAN = ("model.family=wan", "reward.weights={temporal_consistency: 1.0}", "reward
 BATCH = 2 * 2  # small_config: groups of 2, 2 groups per step
 
 
-@pytest.fixture(scope="module")
-def wan_setup(tmp_path_factory):
-    model = make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_wan")))
+VARIANT_OVERRIDES = {"wan21": (), "wan22_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0"), "wan22_ti2v_5b": ()}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANT_OVERRIDES))
+def wan_setup(request, tmp_path_factory):
+    model = make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_wan")), request.param)
     prompts = tmp_path_factory.mktemp("prompts") / "moving.txt"
     prompts.write_text("a red circle moving left\na blue square moving right\n")
-    return model, str(prompts)
+    return model, str(prompts), request.param
 
 
 def wan_config(mode, setup, output_dir, *extra):
-    model, prompts = setup
-    cfg = small_config(mode, model, prompts, output_dir, *WAN, *extra)
+    model, prompts, variant = setup
+    cfg = small_config(mode, model, prompts, output_dir, *WAN, *VARIANT_OVERRIDES[variant], *extra)
     assert cfg.sync.verify  # each publication: the rollout actors' weight digest must equal the trainer's, or the run fails
     return cfg
 
@@ -74,3 +79,7 @@ def test_wan_in_every_mode_syncs_weights_and_resumes_exactly(ray_cluster, wan_se
     assert final["step"] == 3
     before, after = saved["learner"]["trainable"], final["learner"]["trainable"]
     assert before.keys() == after.keys() and any((after[k] != before[k]).any() for k in before)  # step 3 updated them
+    if wan_setup[2] == "wan22_a14b":  # both experts' adapters trained, checkpointed and saved
+        assert {k.split(".")[0] for k in after if (after[k] != before[k]).any()} == {"transformer", "transformer_2"}
+        weights = os.path.join(out, "checkpoints", "step_000003", "weights")
+        assert os.path.isfile(os.path.join(weights, "transformer_2", "pytorch_lora_weights.safetensors"))

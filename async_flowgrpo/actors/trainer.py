@@ -214,7 +214,8 @@ class TrainerActor:
 
     def save_weights(self, path: str) -> None:
         """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer
-        directory (config + safetensors), loadable by `from_pretrained`. The weight average when on."""
+        directory (config + safetensors), loadable by `from_pretrained`; a two-expert model's second
+        expert beside it, as transformer_2 (see models/wan.py). The weight average when on."""
         with self._evaluated_weights():
             self._save_weights(path)
 
@@ -226,11 +227,7 @@ class TrainerActor:
             return
         os.makedirs(path, exist_ok=True)
         if policy.lora_rank > 0:
-            from peft.utils import get_peft_model_state_dict
-
-            pipeline_class = type(policy.adapter.pipeline)  # each family's own LoRA format
-            lora = get_peft_model_state_dict(transformer, state_dict=state)
-            pipeline_class.save_lora_weights(path, transformer_lora_layers=lora)
+            policy.adapter.save_lora(path, state)  # each family's own LoRA format (Wan2.2: one per expert)
         elif self.sharded:
             from safetensors.torch import save_file
 
@@ -240,4 +237,5 @@ class TrainerActor:
             save_file({k: v.contiguous() for k, v in {**state, **buffers}.items()},
                       os.path.join(out, "diffusion_pytorch_model.safetensors"))
         else:
-            transformer.save_pretrained(os.path.join(path, "transformer"))
+            for name, module in policy.adapter.trained_components().items():  # the pipeline's layout
+                module.save_pretrained(os.path.join(path, name))

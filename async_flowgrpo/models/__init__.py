@@ -97,6 +97,19 @@ def video_frames(path: str, num_frames: int = 0) -> tuple[int, int]:
     return frames, read("vae", "config.json").get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
 
 
+def model_experts(path: str) -> tuple[str, ...]:
+    """The denoising transformers of the diffusers model at `path`, read from its model_index.json
+    without loading it (config validation): ("transformer",), or Wan2.2 A14B's two experts
+    ("transformer", "transformer_2"). A component saved as None is listed as [null, null]."""
+    file = os.path.join(path, "model_index.json")
+    if not os.path.isfile(file):
+        return ("transformer",)
+    with open(file) as f:
+        index = json.load(f)
+    return tuple(name for name in ("transformer", "transformer_2") if (index.get(name) or [None])[0] is not None) \
+        or ("transformer",)
+
+
 def adapter_class(family: str):
     """The adapter class of a model.family (imported on first use)."""
     for fam, module, cls in _FAMILIES.values():

@@ -12,9 +12,13 @@ call convention), plus the hooks it needs:
 - `_after_cfg(v, v_cond)`: a rescale after the CFG combine (Qwen-Image).
 - `_latents_for_vae(z)` / `_from_vae(x)`: the VAE's latent normalisation and frame axis.
 
-The interface `DiffusionPolicy` uses: load, transformer, frozen_modules, lora_target_modules,
-device, dtype, resolution, max_sequence_length, negative_prompt, latent_shape, sigmas,
-encode_prompts, velocity, decode.
+The interface `DiffusionPolicy` uses: load, select_experts, transformer, frozen_modules,
+lora_target_modules, device, dtype, resolution, max_sequence_length, negative_prompt, latent_shape,
+sigmas, encode_prompts, velocity, decode; the trainer's saving uses trained_components and save_lora.
+
+`transformer` is the one module that trains. A model with several denoising transformers (Wan2.2
+A14B's two experts) returns a module holding the trained ones under their pipeline names, so the
+trainable state, its sync and digest, the optimizer and checkpoints cover them all unchanged.
 """
 
 from __future__ import annotations
@@ -105,9 +109,28 @@ class FamilyAdapter(TransformerPlacement):
 
     # ---------------------------------------------------------------- modules
 
+    experts: tuple[str, ...] = ("transformer",)  # the pipeline's denoising transformers
+
+    def select_experts(self, trained: list[str] | None = None, *, guidance_scale_2: float | None = None) -> None:
+        """Which of `experts` train (None: all; model.trained_experts) and the low-noise expert's
+        CFG scale (model.guidance_scale_2): options of models with two experts only."""
+        if trained is not None and list(trained) != list(self.experts):
+            raise ValueError(f"model.trained_experts {list(trained)}: this model has one transformer; use null")
+        if guidance_scale_2 is not None:
+            raise ValueError("model.guidance_scale_2: this model has one transformer; use null")
+
     @property
     def transformer(self) -> nn.Module:
         return self.pipeline.transformer
+
+    def trained_components(self) -> dict[str, nn.Module]:
+        """The trained transformers by pipeline component name (what a full fine-tune saves)."""
+        return {"transformer": self.pipeline.transformer}
+
+    def save_lora(self, path: str, state: dict[str, Tensor]) -> None:
+        """The LoRA weights of `state` (trainable_state's names) in the family pipeline's own
+        format, loadable by `pipe.load_lora_weights(path)`."""
+        save_peft_lora(type(self.pipeline), path, self.transformer, state)
 
     @property
     def frozen_modules(self) -> list[nn.Module]:
@@ -219,3 +242,14 @@ class FamilyAdapter(TransformerPlacement):
         vae = self.pipeline.vae
         x = self._from_vae(vae.decode(self._latents_for_vae(latents.to(self.device, vae.dtype)), return_dict=False)[0])
         return ((x.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).movedim(1, -1).cpu()
+
+
+def save_peft_lora(pipeline_class, path: str, transformer: nn.Module, state: dict[str, Tensor]) -> None:
+    """`transformer`'s LoRA weights from `state` with its LoraConfig as the file's metadata: without
+    it the loader takes lora_alpha = rank, and a pipeline would run the adapters at r / alpha of
+    their trained scale."""
+    from peft.utils import get_peft_model_state_dict
+
+    lora = get_peft_model_state_dict(transformer, state_dict=state)
+    metadata = transformer.peft_config["default"].to_dict()
+    pipeline_class.save_lora_weights(path, transformer_lora_layers=lora, transformer_lora_adapter_metadata=metadata)
