@@ -132,7 +132,9 @@ class AlgorithmConfig:
     is_mode: str = "truncate"  # a weight above is_cap: truncate (w = is_cap) | mask (w = 0, as AReaL)
     beta: float = 0.0  # KL to the reference (adapters disabled); config/base.yaml: 0.04, as Flow-GRPO's quality runs
     prox_mode: str = "recompute"  # recompute | bypass
-    uncond_grad: bool = True  # true: with CFG, differentiate both branches (as flow_grpo); false: the conditional one only
+    # with CFG, false: the gradient through the conditional branch only (flow_grpo's compute_log_prob
+    # detaches the unconditional half since its commit 2d76907); true: through both (its earlier code)
+    uncond_grad: bool = False
     global_std: bool = True
     mean_only: bool = False
     drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
