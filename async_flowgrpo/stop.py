@@ -1,10 +1,17 @@
 """Graceful stop on SIGTERM / SIGINT (what a scheduler, `ray job stop` and Ctrl-C send).
 
 The first signal asks the driver to stop at the next safe point: between two trainer steps, or at
-once while it only waits for rollouts (a batch being generated is regenerated after resume). It
-never interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in
-the trainer actor and a checkpoint labelled step N would hold N+1 updates. The driver then saves
-a checkpoint, prints one line and exits 128 + signal (143 for SIGTERM, 130 for SIGINT).
+once while it waits for work whose result the checkpoint does not need (rollouts: a batch being
+generated is regenerated after resume; an evaluation: abandoned, see `Run.evaluate`). It never
+interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in the
+trainer actor and a checkpoint labelled step N would hold N+1 updates. An update in flight
+finishes (one step's work), then the driver saves a checkpoint, prints one line and exits
+128 + signal (143 for SIGTERM, 130 for SIGINT).
+
+The grace period (`trainer.stop_grace_s`, a scheduler's wait between SIGTERM and SIGKILL): when the
+update and the save have not finished `SHUTDOWN_RESERVE_S` before it ends, the driver gives them up
+and leaves as a second signal does, naming the last complete checkpoint; the reserve is what
+shutting the actors and Ray down takes.
 
 A second signal abandons at once, without a checkpoint: the previous one stays the latest. Once
 the driver is closing (actors and Ray being shut down) signals are noted and nothing more: leaving
@@ -24,6 +31,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTDOWN_RESERVE_S = 5.0  # of the grace period, kept for shutting the actors and Ray down (measured: 1-3 s)
 
 
 class StopRequested(BaseException):
@@ -48,11 +56,14 @@ def as_stop(error: BaseException) -> StopRequested | None:
 class Stopped(Exception):
     """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists;
     ``last``: the newest checkpoint's name (None: there is none: a second signal, or Ray lost,
-    before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved."""
+    before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved;
+    ``overdue_s``: the grace period (s) that ran out before the checkpoint was written, or None."""
 
-    def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False):
+    def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False,
+                 overdue_s: float | None = None):
         super().__init__(f"stopped at step {step}")
         self.signum, self.step, self.saved, self.last, self.ray_lost = signum, step, saved, last, ray_lost
+        self.overdue_s = overdue_s
         self.exit_code = 128 + signum
 
     @property
@@ -61,10 +72,13 @@ class Stopped(Exception):
 
 
 class GracefulStop:
-    """Signal handling for the driver. Plain class: `request()` does what a signal does."""
+    """Signal handling for the driver. Plain class: `request()` does what a signal does.
+    grace_s: the grace period after the first signal (see the module docstring); None: no deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self.signum: int | None = None
+        self.grace_s = grace_s
+        self.overdue = False  # the grace period ran out before the driver was done saving
         self.ray_lost = False  # Ray's processes died under the driver (see lose_ray)
         self._abandonable = 0
         self._closing = False
@@ -95,8 +109,23 @@ class GracefulStop:
         if self.signum is not None or self.ray_lost:
             raise StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save: leave now
         self.signum = signum
+        if self.grace_s is not None:
+            timer = threading.Timer(max(0.0, self.grace_s - SHUTDOWN_RESERVE_S), self._give_up)
+            timer.daemon = True
+            timer.start()
         if self._abandonable:
             raise StopRequested(signum)
+
+    def _give_up(self) -> None:
+        """(Timer thread) The grace period is nearly over and the driver is still saving or waiting for
+        an update: it leaves as on a second signal, while there is time to shut Ray down."""
+        if self._closing:
+            return
+        self.overdue = True
+        if self._previous:  # the handlers are ours: a real signal wakes the main thread from any wait
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
+        else:
+            _thread.interrupt_main(self.signum)
 
     def lose_ray(self) -> None:
         """Ray's processes are gone (called by a watcher thread). After a signal, the driver leaves at
@@ -107,7 +136,7 @@ class GracefulStop:
             _thread.interrupt_main(self.signum)  # runs the handler on the main thread, as a signal does
 
     def close(self) -> None:
-        """The driver is shutting down: from now on a signal is noted, never raised."""
+        """The driver is shutting down: from now on a signal (or the deadline) is noted, never raised."""
         self._closing = True
 
     @property
@@ -125,7 +154,8 @@ class GracefulStop:
 
     @contextmanager
     def abandonable(self) -> Iterator[None]:
-        """A stretch the driver may leave at once on a signal (it only waits for rollouts)."""
+        """A stretch the driver may leave at once on a signal (it only waits for work that the
+        checkpoint does not need: rollouts, an evaluation)."""
         self.check()
         self._abandonable += 1
         try:
