@@ -345,6 +345,8 @@ class Run:
         checkpoint does not need it, and it can take minutes (many prompts, a model reward), longer
         than a scheduler waits after SIGTERM. The trainers are told to drop it, so the checkpoint,
         queued behind it on trainer rank 0, is written next."""
+        e = self.cfg.eval
+        logger.info("step %d: evaluating (%s, %d samples a prompt)", self.step, e.prompts, e.samples_per_prompt)
         try:
             with self.stop.abandonable():
                 result = self.cluster.on_trainers("evaluate", self.step)
@@ -503,6 +505,10 @@ class Run:
                         # the save is abandoned, the previous checkpoint stays the latest
                         self.stop.ray_lost |= as_stop(e) is None
                 self.stop.close()  # saved or given up: nothing more to interrupt (the deadline included)
+                if self.stop.overdue and (stop.force or self.saved_step != self.step):
+                    logger.warning("step %d: trainer.stop_grace_s=%g nearly over: the update or save in progress is "
+                                   "given up (the last checkpoint holds the weights before it)", self.step,
+                                   self.cfg.trainer.stop_grace_s)
                 last = self.checkpointer.latest_name()
                 raise Stopped(stop.signum, self.step, saved=self.saved_step == self.step,
                               last=os.path.join(self.checkpointer.root, last) if last else None,
