@@ -34,9 +34,11 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SHUTDOWN_RESERVE_S = 5.0  # of the grace period, kept for shutting the actors and Ray down (measured: 1-3 s)
 
 
-class StopRequested(BaseException):
-    """Raised on the driver's main thread to leave the loop. A BaseException, like KeyboardInterrupt,
-    so that no `except Exception` on the way swallows it."""
+class StopRequested(KeyboardInterrupt):
+    """Raised on the driver's main thread to leave the loop. A KeyboardInterrupt, so that no `except
+    Exception` on the way swallows it and so that a ray.get gives way to it at once (Ray's wait
+    checks for signals and stops on a KeyboardInterrupt, raising one of its own in its place:
+    `GracefulStop.as_stop` maps that back; any other exception it would keep until the result came)."""
 
     def __init__(self, signum: int, force: bool = False):
         super().__init__(f"stop requested by {signal.Signals(signum).name}")
@@ -45,12 +47,11 @@ class StopRequested(BaseException):
 
 def as_stop(error: BaseException) -> StopRequested | None:
     """The StopRequested that `error` is, or carries: Ray hands an exception raised by a signal
-    handler during ray.get back as a SystemError caused by it."""
-    if isinstance(error, StopRequested):
-        return error
-    if isinstance(error, SystemError) and isinstance(error.__cause__, StopRequested):
-        return error.__cause__
-    return None
+    handler during ray.get back as a SystemError caused by it (twice over when the handler ran in
+    the Python code that Ray calls to deserialize a result)."""
+    while isinstance(error, SystemError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error if isinstance(error, StopRequested) else None
 
 
 class Stopped(Exception):
@@ -80,6 +81,7 @@ class GracefulStop:
         self.grace_s = grace_s
         self.overdue = False  # the grace period ran out before the driver was done saving
         self.ray_lost = False  # Ray's processes died under the driver (see lose_ray)
+        self.raised: StopRequested | None = None  # the last stop raised by the handler (see as_stop)
         self._abandonable = 0
         self._closing = False
         self._previous: dict[int, object] = {}
@@ -107,14 +109,23 @@ class GracefulStop:
             self.signum = self.signum or signum
             return
         if self.signum is not None or self.ray_lost:
-            raise StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save: leave now
+            self.raised = StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save
+            raise self.raised
         self.signum = signum
         if self.grace_s is not None:
             timer = threading.Timer(max(0.0, self.grace_s - SHUTDOWN_RESERVE_S), self._give_up)
             timer.daemon = True
             timer.start()
         if self._abandonable:
-            raise StopRequested(signum)
+            self.raised = StopRequested(signum)
+            raise self.raised
+
+    def as_stop(self, error: BaseException) -> StopRequested | None:
+        """`as_stop(error)`, or the stop this raised when `error` is the bare KeyboardInterrupt that
+        ray.get raises in its place."""
+        if type(error) is KeyboardInterrupt and self.raised is not None:
+            return self.raised
+        return as_stop(error)
 
     def _give_up(self) -> None:
         """(Timer thread) The grace period is nearly over and the driver is still saving or waiting for
@@ -160,9 +171,9 @@ class GracefulStop:
         self._abandonable += 1
         try:
             yield
-        except SystemError as e:
-            stop = as_stop(e)
-            if stop is not None:
+        except (SystemError, KeyboardInterrupt) as e:
+            stop = self.as_stop(e)
+            if stop is not None and stop is not e:
                 raise stop from None
             raise
         finally:

@@ -329,7 +329,7 @@ class DriverFault:
     def args(self) -> list[str]:
         """The run's extra overrides for its stop point (and, for the resume, without the long evaluation)."""
         if self.stop_point == "evaluation":  # the first evaluation comes right after row after_row
-            return [f"eval.every={self.after_row + 1}", "eval.samples_per_prompt=64", "eval.num_steps=40"]
+            return [f"eval.every={self.after_row + 1}", "eval.samples_per_prompt=64", "eval.num_steps=30"]
         return []
 
 

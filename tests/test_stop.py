@@ -34,6 +34,23 @@ def test_a_stop_that_ray_wrapped_while_waiting_comes_out_as_the_stop():
                 stop.request(signal.SIGTERM)
             except StopRequested as e:
                 raise SystemError("interrupted") from e
+    with pytest.raises(StopRequested):  # raised while Ray deserializes a result: wrapped twice
+        with stop.abandonable():
+            try:
+                try:
+                    stop.check()
+                except StopRequested as e:
+                    raise SystemError("<class StopRequested> returned a result with an exception set") from e
+            except SystemError as e:
+                raise SystemError("<built-in method __new__> returned a result with an exception set") from e
+    fresh = GracefulStop()
+    with pytest.raises(StopRequested) as err:  # ray.get gives way to it, raising a KeyboardInterrupt of its own
+        with fresh.abandonable():
+            try:
+                fresh.request(signal.SIGTERM)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt() from None
+    assert err.value is fresh.raised and err.value.signum == signal.SIGTERM
     with pytest.raises(SystemError):  # any other SystemError is left alone
         with GracefulStop().abandonable():
             raise SystemError("something else")

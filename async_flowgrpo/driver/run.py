@@ -36,7 +36,7 @@ from async_flowgrpo.driver.batch import Batch, make_batch
 from async_flowgrpo.driver.cluster import Cluster, RunError, local_ray_lost
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
-from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested, as_stop
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
 from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
@@ -486,7 +486,7 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
         line; always shut down."""
-        stop = as_stop(exc) if exc is not None else None
+        stop = self.stop.as_stop(exc) if exc is not None else None
         if stop is None and self.stop.requested and isinstance(exc, ray.exceptions.RayError):
             # an actor failed after a signal: the signal reached it too (sent to every process of the run)
             stop, self.stop.ray_lost = StopRequested(self.stop.signum, force=True), True
@@ -499,11 +499,11 @@ class Run:
                     try:
                         self.save_checkpoint(at_stop=True)
                     except BaseException as e:
-                        if as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
+                        if self.stop.as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
                             raise
                         # asked again while saving, out of time, or the trainers went with the signal:
                         # the save is abandoned, the previous checkpoint stays the latest
-                        self.stop.ray_lost |= as_stop(e) is None
+                        self.stop.ray_lost |= self.stop.as_stop(e) is None
                 self.stop.close()  # saved or given up: nothing more to interrupt (the deadline included)
                 if self.stop.overdue and (stop.force or self.saved_step != self.step):
                     logger.warning("step %d: trainer.stop_grace_s=%g nearly over: the update or save in progress is "
