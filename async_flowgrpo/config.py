@@ -105,7 +105,7 @@ class TrainerConfig:
     max_nonfinite_steps: int = 5  # stop after this many consecutive steps whose every update was NaN/inf
     # seconds from SIGTERM/SIGINT to the exit (under a scheduler's grace period: SLURM's KillWait and
     # Kubernetes' terminationGracePeriodSeconds are 30). An evaluation in progress is abandoned; the
-    # update in flight and the checkpoint are given up 5 s before the end (kept for shutting Ray down),
+    # update in flight and the checkpoint are given up 8 s before the end (kept for shutting Ray down),
     # and the exit line then names the last complete checkpoint
     stop_grace_s: float = 20.0
     # > 0: each update takes at least this many seconds (the trainer waits out the rest). For staleness

@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-SHUTDOWN_RESERVE_S = 5.0  # of the grace period, kept for shutting the actors and Ray down (measured: 1-3 s)
+SHUTDOWN_RESERVE_S = 8.0  # of the grace period, kept for shutting the actors and Ray down (took about 4 s on 2 busy cores)
 
 
 class StopRequested(KeyboardInterrupt):

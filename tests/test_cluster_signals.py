@@ -287,24 +287,24 @@ def test_sigterm_during_a_checkpoint_write_stops_within_the_grace_period(tiny_mo
 
 @pytest.mark.timeout(900)
 def test_an_update_longer_than_the_grace_period_is_given_up_naming_the_last_checkpoint(tiny_model_dir, prompt_file, tmp_path):
-    """trainer.min_step_time_s=10 against trainer.stop_grace_s=10 (given up after 5 s): update 4, in flight
+    """trainer.min_step_time_s=14 against trainer.stop_grace_s=16 (given up after 8 s): update 4, in flight
     (fully_async starts it before step 3 is logged), is discarded; step_000002 is the last checkpoint."""
     out = str(tmp_path / "run")
     args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2",
-                      "trainer.min_step_time_s=10", "trainer.stop_grace_s=10")
+                      "trainer.min_step_time_s=14", "trainer.stop_grace_s=16")
     run = Launch(MODE, args, out, "SIGTERM during an update longer than the grace period")
     try:
         assert run.wait_rows(3), run.why("the run ended before its step 3")
         run.scan(force=True)
         t_signal = time.monotonic()
         os.killpg(run.proc.pid, signal.SIGTERM)
-        code, err = stopped_within_grace(run, t_signal, 10)
+        code, err = stopped_within_grace(run, t_signal, 16)
         line = one_stop_line(run, code, err)
         root = os.path.join(out, "checkpoints")
-        expected = (f"stopped at step 3 without a checkpoint of it (trainer.stop_grace_s=10 ran out before it was written); "
+        expected = (f"stopped at step 3 without a checkpoint of it (trainer.stop_grace_s=16 ran out before it was written); "
                     f"the last checkpoint is {os.path.join(root, 'step_000002')}; resume with: ")
         assert line.startswith(expected) and line.endswith("trainer.resume=latest"), run.why(line)
-        assert "trainer.stop_grace_s=10 nearly over: the update or save in progress is given up" in err, run.why("no warning")
+        assert "trainer.stop_grace_s=16 nearly over: the update or save in progress is given up" in err, run.why("no warning")
         path, state = checkpoint_state(out)
         assert state["step"] == state["version"] == 2, run.why(path)
         assert [r["step"] for r in run.rows(complete_only=False)] == [1, 2, 3], run.why("rows")
