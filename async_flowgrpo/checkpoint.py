@@ -187,8 +187,13 @@ class Checkpointer:
                 _fsync_dir(dirpath)
             if os.path.exists(final):  # the same step saved again (a stop right after a checkpoint)
                 old = os.path.join(self.root, f".old-{os.path.basename(final)}-{os.getpid()}")
-                os.rename(final, old)
-                os.rename(tmp, final)
+                try:
+                    os.rename(final, old)
+                    os.rename(tmp, final)
+                except BaseException:  # (a stop's deadline or second signal between the two: keep the old one)
+                    if os.path.exists(old) and not os.path.exists(final):
+                        os.rename(old, final)
+                    raise
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, final)

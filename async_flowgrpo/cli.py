@@ -3,7 +3,8 @@
 Exit codes: 0 done; 2 a mistake found before Ray starts (config, input files, run directory,
 checkpoint to resume), one line on stderr; 1 a failure during the run, one line; 128 + signal
 (143 SIGTERM, 130 SIGINT) a graceful stop, with the command that resumes: after a checkpoint of the
-current step, or, when the signal stopped the trainers too, naming the last checkpoint.
+current step, or, when the signal stopped the trainers too or trainer.stop_grace_s ran out first,
+naming the last checkpoint.
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ def again_command(argv: list[str], how: str) -> str:
 def stop_line(stopped: Stopped, argv: list[str]) -> str:
     if stopped.saved:
         return f"stopped at step {stopped.step}; resume with: {again_command(argv, 'trainer.resume=latest')}"
+    if stopped.overdue_s is not None:
+        why = f"trainer.stop_grace_s={stopped.overdue_s:g} ran out before it was written"
+        if stopped.resumable:
+            return (f"stopped at step {stopped.step} without a checkpoint of it ({why}); the last checkpoint is "
+                    f"{stopped.last}; resume with: {again_command(argv, 'trainer.resume=latest')}")
+        return (f"stopped at step {stopped.step} without a checkpoint ({why}; there is none to resume); "
+                f"start again with: {again_command(argv, 'trainer.overwrite=true')}")
     if stopped.ray_lost and stopped.resumable:
         return (f"stopped at step {stopped.step} without a checkpoint of it (the signal stopped Ray's processes too); "
                 f"the last checkpoint is {stopped.last}; resume with: {again_command(argv, 'trainer.resume=latest')}")

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from async_flowgrpo import stop
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
 from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, model_experts, video_frames
 from async_flowgrpo.prompts import load_prompts
@@ -108,6 +109,11 @@ class TrainerConfig:
     keep_checkpoints: int = 3  # the newest K checkpoints are kept; 0 = keep all
     overwrite: bool = False  # a fresh run into a used output_dir deletes its old results (else: exit 2)
     max_nonfinite_steps: int = 5  # stop after this many consecutive steps whose every update was NaN/inf
+    # seconds from SIGTERM/SIGINT to the exit (under a scheduler's grace period: SLURM's KillWait and
+    # Kubernetes' terminationGracePeriodSeconds are 30). An evaluation in progress is abandoned; the
+    # update in flight and the checkpoint are given up 8 s before the end (kept for shutting Ray down),
+    # and the exit line then names the last complete checkpoint
+    stop_grace_s: float = 20.0
     # > 0: each update takes at least this many seconds (the trainer waits out the rest). For staleness
     # studies where rollout is the bottleneck: a slower trainer lets rollouts run max_staleness ahead
     # without changing the update's math (benchmarks/staleness_sweep.py). 0: off
@@ -387,6 +393,8 @@ def validate(c: Config) -> None:
     _require(t.checkpoint_every >= 0, "trainer.checkpoint_every", "must be >= 0")
     _require(t.keep_checkpoints >= 0, "trainer.keep_checkpoints", "must be >= 0 (0 = keep all)")
     _require(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps", "must be >= 1")
+    reserve = stop.SHUTDOWN_RESERVE_S
+    _require(t.stop_grace_s >= 2 * reserve, "trainer.stop_grace_s", f"must be >= {2 * reserve:g} (its last {reserve:g} s shut Ray down)")
     _require(t.min_step_time_s >= 0, "trainer.min_step_time_s", "must be >= 0 (0 = off)")
     _require(0 <= t.ema_decay < 1, "trainer.ema_decay", "must be in [0, 1) (0 = no weight average)")
     existing = os.path.abspath(t.output_dir)  # the directory itself or the nearest ancestor that exists

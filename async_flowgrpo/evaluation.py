@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,16 +29,43 @@ from async_flowgrpo.sampling import eval_sampling
 PROMPTS_PER_CALL = 16
 
 
+class EvaluationCut(Exception):
+    """`interrupted()` turned true: the evaluation was abandoned (a stop does not wait for it)."""
+
+
+def _cut_check(interrupted: Callable[[], bool], world_size: int, device) -> Callable[[], int]:
+    """Raises EvaluationCut once `interrupted()`; called before every denoising step (as generate's
+    version_fn, so returns the version 0) and before each chunk is scored. Sharded, the ranks agree
+    (one all-reduce per step): their forward passes are collective, so they must leave together."""
+
+    def check() -> int:
+        cut = bool(interrupted())
+        if world_size > 1:
+            flag = torch.tensor([float(cut)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            cut = flag.item() > 0
+        if cut:
+            raise EvaluationCut("evaluation abandoned")
+        return 0
+
+    return check
+
+
 @torch.no_grad()
-def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> dict | None:
+def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
+                    interrupted: Callable[[], bool] | None = None) -> dict | None:
     """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}.
 
     With world_size > 1 (FSDP-sharded trainers; the process group is up) the ranks split the prompt
     chunks, score their own and rank 0 gathers them: the same result as one process, in 1/world_size
     of the time. Every rank makes the same number of generate calls, since each forward pass
     all-gathers the sharded blocks; the others return None.
+
+    interrupted: polled before every denoising step and before each chunk is scored; once true the
+    evaluation raises EvaluationCut (a stopping run does not wait for it; the weights are untouched).
     """
     e = cfg.eval
+    check = _cut_check(interrupted, world_size, policy.device) if interrupted is not None else None
     sampling = eval_sampling(cfg)
     start_time = time.perf_counter()
     prompts = load_prompts(e.prompts)
@@ -54,7 +82,10 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1) -> 
             seed=e.seed + start,  # fixed: the same noise at every evaluation, whichever rank draws it
             **sampling,
             metadata=[p.metadata for p in chunk],
+            version_fn=check,
         )
+        if check is not None:
+            check()  # before scoring, which may be a slow model or a remote service
         if call >= len(mine):
             continue  # only kept in step with the other ranks' forward passes
         images = torch.cat([g.images for g in groups])

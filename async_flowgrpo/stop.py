@@ -1,10 +1,17 @@
 """Graceful stop on SIGTERM / SIGINT (what a scheduler, `ray job stop` and Ctrl-C send).
 
 The first signal asks the driver to stop at the next safe point: between two trainer steps, or at
-once while it only waits for rollouts (a batch being generated is regenerated after resume). It
-never interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in
-the trainer actor and a checkpoint labelled step N would hold N+1 updates. The driver then saves
-a checkpoint, prints one line and exits 128 + signal (143 for SIGTERM, 130 for SIGINT).
+once while it waits for work whose result the checkpoint does not need (rollouts: a batch being
+generated is regenerated after resume; an evaluation: abandoned, see `Run.evaluate`). It never
+interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in the
+trainer actor and a checkpoint labelled step N would hold N+1 updates. An update in flight
+finishes (one step's work), then the driver saves a checkpoint, prints one line and exits
+128 + signal (143 for SIGTERM, 130 for SIGINT).
+
+The grace period (`trainer.stop_grace_s`, a scheduler's wait between SIGTERM and SIGKILL): when the
+update and the save have not finished `SHUTDOWN_RESERVE_S` before it ends, the driver gives them up
+and leaves as a second signal does, naming the last complete checkpoint; the reserve is what
+shutting the actors and Ray down takes.
 
 A second signal abandons at once, without a checkpoint: the previous one stays the latest. Once
 the driver is closing (actors and Ray being shut down) signals are noted and nothing more: leaving
@@ -24,11 +31,14 @@ from contextlib import contextmanager
 from typing import Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SHUTDOWN_RESERVE_S = 8.0  # of the grace period, kept for shutting the actors and Ray down (took about 4 s on 2 busy cores)
 
 
-class StopRequested(BaseException):
-    """Raised on the driver's main thread to leave the loop. A BaseException, like KeyboardInterrupt,
-    so that no `except Exception` on the way swallows it."""
+class StopRequested(KeyboardInterrupt):
+    """Raised on the driver's main thread to leave the loop. A KeyboardInterrupt, so that no `except
+    Exception` on the way swallows it and so that a ray.get gives way to it at once (Ray's wait
+    checks for signals and stops on a KeyboardInterrupt, raising one of its own in its place:
+    `GracefulStop.as_stop` maps that back; any other exception it would keep until the result came)."""
 
     def __init__(self, signum: int, force: bool = False):
         super().__init__(f"stop requested by {signal.Signals(signum).name}")
@@ -37,22 +47,24 @@ class StopRequested(BaseException):
 
 def as_stop(error: BaseException) -> StopRequested | None:
     """The StopRequested that `error` is, or carries: Ray hands an exception raised by a signal
-    handler during ray.get back as a SystemError caused by it."""
-    if isinstance(error, StopRequested):
-        return error
-    if isinstance(error, SystemError) and isinstance(error.__cause__, StopRequested):
-        return error.__cause__
-    return None
+    handler during ray.get back as a SystemError caused by it (twice over when the handler ran in
+    the Python code that Ray calls to deserialize a result)."""
+    while isinstance(error, SystemError) and error.__cause__ is not None:
+        error = error.__cause__
+    return error if isinstance(error, StopRequested) else None
 
 
 class Stopped(Exception):
     """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists;
     ``last``: the newest checkpoint's name (None: there is none: a second signal, or Ray lost,
-    before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved."""
+    before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved;
+    ``overdue_s``: the grace period (s) that ran out before the checkpoint was written, or None."""
 
-    def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False):
+    def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False,
+                 overdue_s: float | None = None):
         super().__init__(f"stopped at step {step}")
         self.signum, self.step, self.saved, self.last, self.ray_lost = signum, step, saved, last, ray_lost
+        self.overdue_s = overdue_s
         self.exit_code = 128 + signum
 
     @property
@@ -61,11 +73,15 @@ class Stopped(Exception):
 
 
 class GracefulStop:
-    """Signal handling for the driver. Plain class: `request()` does what a signal does."""
+    """Signal handling for the driver. Plain class: `request()` does what a signal does.
+    grace_s: the grace period after the first signal (see the module docstring); None: no deadline."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace_s: float | None = None) -> None:
         self.signum: int | None = None
+        self.grace_s = grace_s
+        self.overdue = False  # the grace period ran out before the driver was done saving
         self.ray_lost = False  # Ray's processes died under the driver (see lose_ray)
+        self.raised: StopRequested | None = None  # the last stop raised by the handler (see as_stop)
         self._abandonable = 0
         self._closing = False
         self._previous: dict[int, object] = {}
@@ -93,10 +109,34 @@ class GracefulStop:
             self.signum = self.signum or signum
             return
         if self.signum is not None or self.ray_lost:
-            raise StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save: leave now
+            self.raised = StopRequested(self.signum or signum, force=True)  # asked twice, or nothing left to save
+            raise self.raised
         self.signum = signum
+        if self.grace_s is not None:
+            timer = threading.Timer(max(0.0, self.grace_s - SHUTDOWN_RESERVE_S), self._give_up)
+            timer.daemon = True
+            timer.start()
         if self._abandonable:
-            raise StopRequested(signum)
+            self.raised = StopRequested(signum)
+            raise self.raised
+
+    def as_stop(self, error: BaseException) -> StopRequested | None:
+        """`as_stop(error)`, or the stop this raised when `error` is the bare KeyboardInterrupt that
+        ray.get raises in its place."""
+        if type(error) is KeyboardInterrupt and self.raised is not None:
+            return self.raised
+        return as_stop(error)
+
+    def _give_up(self) -> None:
+        """(Timer thread) The grace period is nearly over and the driver is still saving or waiting for
+        an update: it leaves as on a second signal, while there is time to shut Ray down."""
+        if self._closing:
+            return
+        self.overdue = True
+        if self._previous:  # the handlers are ours: a real signal wakes the main thread from any wait
+            signal.pthread_kill(threading.main_thread().ident, self.signum)
+        else:
+            _thread.interrupt_main(self.signum)
 
     def lose_ray(self) -> None:
         """Ray's processes are gone (called by a watcher thread). After a signal, the driver leaves at
@@ -107,7 +147,7 @@ class GracefulStop:
             _thread.interrupt_main(self.signum)  # runs the handler on the main thread, as a signal does
 
     def close(self) -> None:
-        """The driver is shutting down: from now on a signal is noted, never raised."""
+        """The driver is shutting down: from now on a signal (or the deadline) is noted, never raised."""
         self._closing = True
 
     @property
@@ -125,14 +165,15 @@ class GracefulStop:
 
     @contextmanager
     def abandonable(self) -> Iterator[None]:
-        """A stretch the driver may leave at once on a signal (it only waits for rollouts)."""
+        """A stretch the driver may leave at once on a signal (it only waits for work that the
+        checkpoint does not need: rollouts, an evaluation)."""
         self.check()
         self._abandonable += 1
         try:
             yield
-        except SystemError as e:
-            stop = as_stop(e)
-            if stop is not None:
+        except (SystemError, KeyboardInterrupt) as e:
+            stop = self.as_stop(e)
+            if stop is not None and stop is not e:
                 raise stop from None
             raise
         finally:

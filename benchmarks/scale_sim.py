@@ -386,6 +386,9 @@ class SimTrainer:
 
         return {"metrics": {"eval/sim": 0.0}, "images": torch.zeros((1, 8, 8, 3), dtype=torch.uint8), "captions": ["sim"]}
 
+    async def stop_evaluating(self) -> None:  # its evaluation is instant: nothing to abandon
+        pass
+
     async def state_dict(self) -> dict:
         return {"trainable": {}, "optimizer": {"state": {}, "param_groups": []}, "sim_updates": self.updates}
 

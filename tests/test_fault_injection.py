@@ -32,7 +32,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -288,6 +290,10 @@ class DriverFault:
     kill_delay: float
     twice: bool  # SIGTERM / SIGINT: a second signal `second_delay` s after the first (leave at once)
     second_delay: float
+    # running, SIGTERM / SIGINT: the first signal lands in long work, which the stop must not wait for:
+    # "evaluation" (longer than trainer.stop_grace_s), "reward" (a scoring service that sleeps),
+    # "checkpoint" (a periodic checkpoint being written); "": at `delay` after the row
+    stop_point: str = ""
 
     @classmethod
     def draw(cls, seed: int) -> "DriverFault":
@@ -301,15 +307,64 @@ class DriverFault:
         kill_rollout, kill_after_row = phase == "running" and rng.random() < 0.5, rng.randint(1, 2)
         kill_delay = rng.uniform(0, 1)
         twice, second_delay = signum != signal.SIGKILL and rng.random() < 0.25, rng.uniform(0.0, 0.6)
+        stop_point = ""  # (drawn last, so that the plans of seeds drawn before it stay the same)
+        if phase == "running" and signum != signal.SIGKILL and not kill_rollout and rng.random() < 0.5:
+            stop_point = rng.choice(["evaluation", "reward", "checkpoint"])
+            checkpoint_every = 1 if stop_point == "checkpoint" else checkpoint_every
         return cls(seed, mode, signum, phase, round(delay, 2), after_row, eval_at_start, checkpoint_every, kill_rollout,
-                   kill_after_row, round(kill_delay, 2), twice, round(second_delay, 2))
+                   kill_after_row, round(kill_delay, 2), twice, round(second_delay, 2), stop_point)
 
     def __str__(self) -> str:
         where = f"{self.delay}s after launch" if self.phase == "start-up" else f"{self.delay}s after row {self.after_row}"
         kill = f", rollout actor killed {self.kill_delay}s after row {self.kill_after_row} first" if self.kill_rollout else ""
         where += f" and again {self.second_delay}s later" if self.twice else ""
+        if self.stop_point:
+            where = {"evaluation": f"{self.delay}s into the evaluation after row {self.after_row}",
+                     "reward": f"{self.delay}s into a slow reward call after row {self.after_row}",
+                     "checkpoint": f"during the checkpoint write after row {self.after_row}"}[self.stop_point]
+            where += f" and again {self.second_delay}s later" if self.twice else ""
         return (f"seed {self.seed}: {self.mode}, {signal.Signals(self.signum).name} {where}{kill}, "
                 f"checkpoint_every={self.checkpoint_every}, eval_at_start={self.eval_at_start}")
+
+    def args(self) -> list[str]:
+        """The run's extra overrides for its stop point (and, for the resume, without the long evaluation)."""
+        if self.stop_point == "evaluation":  # the first evaluation comes right after row after_row
+            return [f"eval.every={self.after_row + 1}", "eval.samples_per_prompt=64", "eval.num_steps=30"]
+        return []
+
+
+class SleepingScorer:
+    """A local reward service (rewards/remote.py's protocol): random scores, at once or, while `slow`
+    is set, after `sleep_s` (an overloaded OCR or GenEval server)."""
+
+    def __init__(self, sleep_s: float = 50.0):  # under the remote reward's 60-s timeout: it would answer, late
+        self.slow, self.sleeping = threading.Event(), threading.Event()
+        scorer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if scorer.slow.is_set():
+                    scorer.sleeping.set()
+                    time.sleep(sleep_s)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(json.dumps({"scores": [random.random() for _ in body["prompts"]]}).encode())
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+
+    def args(self) -> list[str]:
+        return ["reward.weights={remote: 1.0}", f"reward.options={{remote: {{url: '{self.url}', retries: 0}}}}"]
+
+
+STOP_GRACE_S = 20  # trainer.stop_grace_s's default: a stop in long work ends within it
 
 
 @pytest.mark.timeout(900)
@@ -320,6 +375,8 @@ def test_a_driver_fault_at_a_random_point_loses_nothing(seed, tiny_model_dir, pr
     extra = [f"trainer.total_steps={LONG_RUN}", f"trainer.checkpoint_every={plan.checkpoint_every}", "ray.batch_wait_s=1"]
     if plan.eval_at_start:
         extra += ["eval.at_start_and_end=true", "eval.samples_per_prompt=1", "eval.num_steps=2"]
+    scorer = SleepingScorer() if plan.stop_point == "reward" else None
+    extra += plan.args() + (scorer.args() if scorer else [])
     args = small_args(tiny_model_dir, prompt_file, out, *extra)
     run = Launch(plan.mode, args, out, str(plan))
     resumed = None
@@ -340,7 +397,11 @@ def test_a_driver_fault_at_a_random_point_loses_nothing(seed, tiny_model_dir, pr
                                "a row counting the killed rollout actor's restart")
                 signal_row = len(run.rows()) + plan.after_row - 1
             if run.wait_rows(signal_row):
-                run.sleep(plan.delay)
+                if plan.stop_point:
+                    reach_stop_point(run, plan, scorer)
+                else:
+                    run.sleep(plan.delay)
+        t_signal = time.monotonic()
         if run.proc.poll() is None:
             run.scan(force=True)
             run.proc.send_signal(plan.signum)
@@ -349,8 +410,11 @@ def test_a_driver_fault_at_a_random_point_loses_nothing(seed, tiny_model_dir, pr
                 if run.proc.poll() is None:
                     run.proc.send_signal(plan.signum)
         code, err = run.finish(timeout=300)
-        print(f"{plan}: exit {code} after {time.monotonic() - run.t0:.1f}s, "
+        took = time.monotonic() - t_signal
+        print(f"{plan}: exit {code} after {time.monotonic() - run.t0:.1f}s ({took:.1f} s after the signal), "
               f"{[line[:60] for line in err.splitlines() if line.startswith(('stopped', 'error'))] or 'no line'}")
+        if plan.stop_point:  # the stop did not wait for the long work
+            assert took <= STOP_GRACE_S, run.why(f"took {took:.1f} s to stop, more than trainer.stop_grace_s")
 
         # -- how it ended -------------------------------------------------------------------------------
         junk = unexpected_stderr(err, plan.mode)
@@ -427,6 +491,10 @@ def test_a_driver_fault_at_a_random_point_loses_nothing(seed, tiny_model_dir, pr
         k = state["step"] if state is not None else 0
         target = max(k, len(steps)) + 2  # past every step logged (a second signal or SIGKILL: steps the checkpoint has not)
         again = [a for a in args if not a.startswith("trainer.total_steps=")] + [f"trainer.total_steps={target}"]
+        if plan.stop_point == "evaluation":
+            again += ["eval.every=0"]  # (the long evaluation has been tested; eval cadence may change on resume)
+        if scorer is not None:
+            scorer.slow.clear()
         again += ["trainer.resume=latest"] if state is not None else ["trainer.overwrite=true"]
         resumed = Launch(plan.mode, again, out, f"{plan}; resume of a run stopped at step {k}")
         code, err = resumed.finish(timeout=400)
@@ -453,6 +521,25 @@ def test_a_driver_fault_at_a_random_point_loses_nothing(seed, tiny_model_dir, pr
         run.cleanup()
         if resumed is not None:
             resumed.cleanup()
+        if scorer is not None:
+            scorer.server.shutdown()
+
+
+def reach_stop_point(run: Launch, plan: DriverFault, scorer: SleepingScorer | None) -> None:
+    """After row plan.after_row: wait until the run is in the plan's long work (then plan.delay more)."""
+    if plan.stop_point == "evaluation":
+        if run.wait_until(lambda: f"step {plan.after_row + 1}: evaluating" in run.stderr, 300, "the evaluation"):
+            run.sleep(plan.delay)
+    elif plan.stop_point == "reward":
+        scorer.slow.set()
+        if run.wait_until(scorer.sleeping.is_set, 300, "a call to the slow reward"):
+            run.sleep(plan.delay)
+    else:  # a checkpoint being written (checkpoint_every=1): its temporary directory exists
+        root = os.path.join(run.output_dir, "checkpoints")
+        deadline = time.monotonic() + 300
+        while run.proc.poll() is None and not any(n.startswith(".tmp-") for n in (os.listdir(root) if os.path.isdir(root) else ())):
+            assert time.monotonic() < deadline, run.why("no checkpoint write seen")
+            time.sleep(0.002)
 
 
 # -- 2. the trainer actor killed; then the newest checkpoint corrupted -------------------------------

@@ -34,6 +34,23 @@ def test_a_stop_that_ray_wrapped_while_waiting_comes_out_as_the_stop():
                 stop.request(signal.SIGTERM)
             except StopRequested as e:
                 raise SystemError("interrupted") from e
+    with pytest.raises(StopRequested):  # raised while Ray deserializes a result: wrapped twice
+        with stop.abandonable():
+            try:
+                try:
+                    stop.check()
+                except StopRequested as e:
+                    raise SystemError("<class StopRequested> returned a result with an exception set") from e
+            except SystemError as e:
+                raise SystemError("<built-in method __new__> returned a result with an exception set") from e
+    fresh = GracefulStop()
+    with pytest.raises(StopRequested) as err:  # ray.get gives way to it, raising a KeyboardInterrupt of its own
+        with fresh.abandonable():
+            try:
+                fresh.request(signal.SIGTERM)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt() from None
+    assert err.value is fresh.raised and err.value.signum == signal.SIGTERM
     with pytest.raises(SystemError):  # any other SystemError is left alone
         with GracefulStop().abandonable():
             raise SystemError("something else")
@@ -133,3 +150,46 @@ def test_nonfinite_steps_are_counted_warned_and_stop_the_run_after_k_in_a_row():
     with pytest.raises(Diverged, match=r"last 3 steps \(to step 8\).*max_nonfinite_steps=3"):
         guard.update(8, 2, 2)
     assert guard.steps == 6
+
+
+def test_the_grace_period_gives_up_a_save_that_runs_late_and_a_closed_stop_never(monkeypatch):
+    """trainer.stop_grace_s: SHUTDOWN_RESERVE_S before its end, the main thread leaves wherever it
+    waits (a save, an update in flight), as on a second signal; once the driver is closing, never."""
+    import time
+
+    from async_flowgrpo import stop as stop_module
+
+    monkeypatch.setattr(stop_module, "SHUTDOWN_RESERVE_S", 9.7)  # grace 10 s: gives up 0.3 s after the signal
+    stop = GracefulStop(grace_s=10.0).install()
+    try:
+        stop.request(signal.SIGTERM)  # noted: the driver goes on to save
+        t0 = time.monotonic()
+        with pytest.raises(StopRequested) as err:
+            time.sleep(10)  # stands for a save (or an update) that would not end in time
+        assert err.value.force and stop.overdue and 0.2 < time.monotonic() - t0 < 5
+    finally:
+        stop.uninstall()
+    done = GracefulStop(grace_s=10.0).install()
+    try:
+        done.request(signal.SIGTERM)
+        done.close()  # saved in time: shutting down
+        time.sleep(0.6)
+        assert not done.overdue
+    finally:
+        done.uninstall()
+    assert not GracefulStop().overdue  # no grace period: no deadline
+
+
+def test_the_stop_line_after_the_grace_period_ran_out_names_the_last_checkpoint():
+    from async_flowgrpo.cli import stop_line
+
+    argv = ["trainer.output_dir=/tmp/x"]
+    last = "/tmp/x/checkpoints/step_000002"
+    line = stop_line(Stopped(signal.SIGTERM, 4, saved=False, last=last, overdue_s=20.0), argv)
+    assert line.startswith("stopped at step 4 without a checkpoint of it (trainer.stop_grace_s=20 ran out before it "
+                           f"was written); the last checkpoint is {last}; resume with: ")
+    assert line.endswith("trainer.resume=latest")
+    none = stop_line(Stopped(signal.SIGTERM, 0, saved=False, last=None, overdue_s=20.0), argv)
+    assert "none to resume" in none and none.endswith("trainer.overwrite=true")
+    # the stop's own checkpoint was written just before the end: the plain line
+    assert stop_line(Stopped(signal.SIGTERM, 4, saved=True, last=last, overdue_s=20.0), argv).startswith("stopped at step 4; resume")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 
 import ray
@@ -72,6 +73,7 @@ class TrainerActor:
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
         self.busy = BusyTracker()  # perf/trainer_idle_frac
         self.samples: tuple[torch.Tensor, list[str]] | None = None  # the last batch's first images, on rank 0
+        self.stopping = threading.Event()  # the run is stopping: evaluations are abandoned (set on "control")
 
     def ready(self) -> bool:
         return True
@@ -167,19 +169,31 @@ class TrainerActor:
         """What evaluation and saved weights use: the weight average when on, else the live weights."""
         return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
+    @ray.method(concurrency_group="control")
+    def stop_evaluating(self) -> None:
+        """The run is stopping: the evaluation in progress ends at its next denoising step, and any
+        later one at once, so that the stop's checkpoint, queued behind it, is written within the
+        grace period. For good: a stopping run evaluates nothing more."""
+        self.stopping.set()
+
     def evaluate(self, step: int) -> dict | None:
-        """Sharded, the ranks split the prompts (collective); rank 0 returns the result."""
-        from async_flowgrpo.evaluation import evaluate_policy
+        """Sharded, the ranks split the prompts (collective); rank 0 returns the result. None when
+        abandoned (stop_evaluating)."""
+        from async_flowgrpo.evaluation import EvaluationCut, evaluate_policy
 
-        with self._evaluated_weights():
-            if not self.sharded:
-                return evaluate_policy(self.learner.policy, self.cfg)
-            from async_flowgrpo import fsdp
+        try:
+            with self._evaluated_weights():
+                if not self.sharded:
+                    return evaluate_policy(self.learner.policy, self.cfg, interrupted=self.stopping.is_set)
+                from async_flowgrpo import fsdp
 
-            result = evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size)
-            for transformer in self.learner.policy.transformers():
-                fsdp.reshard(transformer)
-            return result
+                try:
+                    return evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size, self.stopping.is_set)
+                finally:
+                    for transformer in self.learner.policy.transformers():
+                        fsdp.reshard(transformer)
+        except EvaluationCut:
+            return None
 
     def state_dict(self) -> dict | None:
         ema = {}

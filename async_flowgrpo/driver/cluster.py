@@ -330,6 +330,11 @@ class Cluster:
         refs = [getattr(t, method).remote(*args) for t in self.whole_weight_ranks]
         return ray.get(refs, timeout=timeout or self.cfg.ray.work_timeout_s)[0]
 
+    def stop_evaluating(self) -> None:
+        """The run is stopping: the trainers abandon the evaluation in progress (answered on their
+        control thread, while the evaluation runs)."""
+        ray.get([t.stop_evaluating.remote() for t in self.whole_weight_ranks], timeout=self.cfg.ray.call_timeout_s)
+
     def rollout_stats(self) -> list[dict]:
         """Each rollout actor's counters; an actor that is dead or restarting (noticed, and
         recovered, where the mode next waits on it) reports its last counters."""

@@ -19,6 +19,7 @@ import dataclasses
 import errno
 import logging
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -35,7 +36,7 @@ from async_flowgrpo.driver.batch import Batch, make_batch
 from async_flowgrpo.driver.cluster import Cluster, RunError, local_ray_lost
 from async_flowgrpo.driver.weights import WeightPublisher
 from async_flowgrpo.metrics import RunLogger, reduce_metrics
-from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested, as_stop
+from async_flowgrpo.stop import Diverged, GracefulStop, NonFiniteGuard, Stopped, StopRequested
 from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class Run:
         self.checkpointer = checkpointer(cfg)
         # Before Ray starts (init_ray keeps these handlers): a signal during start-up is ours, not
         # Ray's (which exits 15 with no message). Undone by shutdown().
-        self.stop = GracefulStop().install()
+        self.stop = GracefulStop(cfg.trainer.stop_grace_s).install()
         self.log: RunLogger | None = None
         self.cluster: Cluster | None = None
         try:
@@ -319,18 +320,42 @@ class Run:
         return self.schedule.evaluate(step) or self.schedule.checkpoint(step)
 
     def end_step(self, train_metrics: dict, extra: dict | None = None) -> None:
-        """Save samples, evaluate, write the step's metrics row, checkpoint: each when scheduled."""
+        """Save samples, evaluate, write the step's metrics row, checkpoint: each when scheduled. A
+        stop abandons the evaluation; the step's row is still written (without it), then the stop's
+        checkpoint, of this step, takes the periodic one's place."""
         if self.schedule.samples(self.step):
             images = ray.get(self.trainers[0].sample_images.remote(), timeout=self.cfg.ray.call_timeout_s)
             if images is not None:
                 self.log.log_images(self.step, "rollout", *images)
-        eval_metrics = self.evaluate() if self.schedule.evaluate(self.step) else {}
-        self.log.log(self.step, self.step_metrics(train_metrics, {**(extra or {}), **eval_metrics}))
+        eval_metrics, cut = {}, None
+        if self.schedule.evaluate(self.step):
+            try:
+                eval_metrics = self.evaluate()
+            except StopRequested as e:
+                cut = e
+        if cut is None or not self.stop.ray_lost:  # (with Ray gone, its counters cannot be read)
+            self.log.log(self.step, self.step_metrics(train_metrics, {**(extra or {}), **eval_metrics}))
+        if cut is not None:
+            raise cut
         if self.schedule.checkpoint(self.step):
             self.save_checkpoint()
 
     def evaluate(self) -> dict:
-        result = self.cluster.on_trainers("evaluate", self.step)
+        """The trainers' evaluation of the current weights. A signal abandons it at once: the
+        checkpoint does not need it, and it can take minutes (many prompts, a model reward), longer
+        than a scheduler waits after SIGTERM. The trainers are told to drop it, so the checkpoint,
+        queued behind it on trainer rank 0, is written next."""
+        e = self.cfg.eval
+        logger.info("step %d: evaluating (%s, %d samples a prompt)", self.step, e.prompts, e.samples_per_prompt)
+        try:
+            with self.stop.abandonable():
+                result = self.cluster.on_trainers("evaluate", self.step)
+        except StopRequested as e:
+            if not self.stop.ray_lost:
+                self.cluster.stop_evaluating()
+            logger.warning("step %d: evaluation abandoned for the stop (%s); not logged", self.step,
+                           signal.Signals(e.signum).name)
+            raise
         self.log.log_images(self.step, "eval", result["images"], result["captions"])
         return result["metrics"]
 
@@ -461,27 +486,34 @@ class Run:
     def __exit__(self, exc_type, exc, tb) -> None:
         """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
         line; always shut down."""
-        stop = as_stop(exc) if exc is not None else None
+        stop = self.stop.as_stop(exc) if exc is not None else None
         if stop is None and self.stop.requested and isinstance(exc, ray.exceptions.RayError):
             # an actor failed after a signal: the signal reached it too (sent to every process of the run)
             stop, self.stop.ray_lost = StopRequested(self.stop.signum, force=True), True
         try:
             if stop is not None:
-                # Raised only between steps or while waiting for rollouts (a second signal: anywhere).
+                # Raised only between steps or while waiting for rollouts or an evaluation (a second
+                # signal or the grace period's end: anywhere).
                 # Saved even when step N already was: the rollouts finished since then go in too.
                 if not stop.force:
                     try:
                         self.save_checkpoint(at_stop=True)
                     except BaseException as e:
-                        if as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
+                        if self.stop.as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
                             raise
-                        # asked again while saving, or the trainers went with the signal: the save is
-                        # abandoned, the previous checkpoint stays the latest
-                        self.stop.ray_lost |= as_stop(e) is None
+                        # asked again while saving, out of time, or the trainers went with the signal:
+                        # the save is abandoned, the previous checkpoint stays the latest
+                        self.stop.ray_lost |= self.stop.as_stop(e) is None
+                self.stop.close()  # saved or given up: nothing more to interrupt (the deadline included)
+                if self.stop.overdue and (stop.force or self.saved_step != self.step):
+                    logger.warning("step %d: trainer.stop_grace_s=%g nearly over: the update or save in progress is "
+                                   "given up (the last checkpoint holds the weights before it)", self.step,
+                                   self.cfg.trainer.stop_grace_s)
                 last = self.checkpointer.latest_name()
                 raise Stopped(stop.signum, self.step, saved=self.saved_step == self.step,
                               last=os.path.join(self.checkpointer.root, last) if last else None,
-                              ray_lost=self.stop.ray_lost) from None
+                              ray_lost=self.stop.ray_lost,
+                              overdue_s=self.cfg.trainer.stop_grace_s if self.stop.overdue else None) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
                 last = self.checkpointer.latest_name()
                 raise RunError(

@@ -46,10 +46,12 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
         @run.on_exit  # after the last checkpoint (a stop's too), so that it still holds the queue
         def stop_producing() -> None:
             # Stop producing, wake every waiter, let the loops return; what is left is counted as drained.
+            # After a signal the loops are not waited for: a group still being generated or scored (a
+            # slow reward) is in the checkpoint as a ticket in flight, regenerated on resume.
             for rollout in run.rollouts:
                 rollout.stop.remote()
             ray.get(queue.shutdown.remote(), timeout=wait)
-            ray.wait(loops, num_returns=len(loops), timeout=cfg.ray.start_timeout_s)
+            ray.wait(loops, num_returns=len(loops), timeout=0 if run.stop.requested else cfg.ray.start_timeout_s)
             ray.get(queue.drain.remote(), timeout=wait)
 
         def restart_dead_loops() -> None:
