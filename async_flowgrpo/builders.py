@@ -94,9 +94,12 @@ def avoid_cudnn_attention_backward() -> None:
 
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None
                   ) -> Learner | NFTLearner:
-    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh).
+    """With trainer.fsdp or trainer.sequence_parallel > 1 the process group must exist already (their
+    device meshes are built on it; every trainer calls this, in step).
     adapter: as in build_policy; device: the GPU when there is one, unless given."""
-    from async_flowgrpo import fsdp
+    import torch.distributed as dist
+
+    from async_flowgrpo import fsdp, seqpar
     from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
     from async_flowgrpo.nft_learner import NFTLearner
@@ -117,9 +120,13 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
         master = {"dtype": torch.float32, "autocast_dtype": compute_dtype}
     policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, device=device,
                           **master)
+    if t.sequence_parallel > 1:
+        seqpar.parallelize(policy.transformers(), seqpar.make_mesh(t.sequence_parallel))
     if t.fsdp:
+        # FSDP averages over every rank; a sequence group's gradients are summed (async_flowgrpo.seqpar)
+        divide = dist.get_world_size() // t.sequence_parallel if t.sequence_parallel > 1 else None
         for transformer in policy.transformers():
-            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype, divide)
     # what both learners take: the optimizer, batching and the data-parallel reduce
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
                                  warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio)

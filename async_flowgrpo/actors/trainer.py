@@ -17,6 +17,7 @@ store itself, so latents never pass through the driver.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -25,6 +26,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from async_flowgrpo import seqpar
 from async_flowgrpo.actors import quiet_actor_output
 from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
@@ -34,19 +36,6 @@ from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.sync import rendezvous_store
 
 logger = logging.getLogger(__name__)
-
-
-def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
-    """Average gradients over the trainers' group in one flat all-reduce (DDP's result, no wrapper)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(g).clone()
-        offset += n
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -59,14 +48,17 @@ class TrainerActor:
         set_cpu_threads(cfg.trainer.cpus_per_worker)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.sharded = cfg.trainer.fsdp
-        torch.manual_seed(cfg.trainer.seed + rank)
+        self.sequence_parallel = cfg.trainer.sequence_parallel
+        # a sequence group's ranks draw the same random numbers (DiffusionNFT's noise): seeded by data rank
+        torch.manual_seed(cfg.trainer.seed + seqpar.data_rank(rank, self.sequence_parallel))
         if world_size > 1 or self.sharded:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             host, port = dp_address  # listening on this address only (loopback on one node)
             store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
-        self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
+        reduce = functools.partial(seqpar.all_reduce_grads, data_parallel=world_size // self.sequence_parallel)
+        self.learner = build_learner(cfg, grad_all_reduce=reduce if replicated else None)
         self.ema = self._new_average()
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
@@ -168,10 +160,19 @@ class TrainerActor:
         return self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()
 
     def evaluate(self, step: int) -> dict | None:
-        """Sharded, the ranks split the prompts (collective); rank 0 returns the result."""
+        """Sharded, the ranks split the prompts (collective); rank 0 returns the result. With sequence
+        parallelism every rank generates every prompt (a group's ranks share each forward pass)."""
         from async_flowgrpo.evaluation import evaluate_policy
 
         with self._evaluated_weights():
+            if self.sequence_parallel > 1:
+                result = evaluate_policy(self.learner.policy, self.cfg)
+                if self.sharded:
+                    from async_flowgrpo import fsdp
+
+                    for transformer in self.learner.policy.transformers():
+                        fsdp.reshard(transformer)
+                return result if self.rank == 0 else None
             if not self.sharded:
                 return evaluate_policy(self.learner.policy, self.cfg)
             from async_flowgrpo import fsdp

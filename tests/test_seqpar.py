@@ -1,0 +1,124 @@
+"""Sequence parallelism without Ray: 2 gloo processes in one sequence group against one process on
+the same batch. The update must be the same: the loss and the LoRA gradients (after the group's
+reduce) equal within fp32 tolerance, for Flow-GRPO (with its KL term) and DiffusionNFT, on the Wan
+twin (3 latent frames: 192 tokens) and the Flux twin (64 image + 8 text tokens). The gradients are summed over the group (async_flowgrpo.seqpar); the test also
+shows that a mean, the data-parallel rule, would be wrong (half of them).
+"""
+
+import functools
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from async_flowgrpo import algo, seqpar
+from async_flowgrpo.builders import build_learner
+from async_flowgrpo.config import ConfigError, load_config
+from async_flowgrpo.models.tiny_flux import make_tiny_flux_dir
+from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STEPS = 4
+CASES = [("wan", "flow_grpo"), ("wan", "diffusion_nft"), ("flux", "flow_grpo"), ("flux", "diffusion_nft")]
+
+
+def case_config(model_dir, family, algorithm, *extra):
+    nft = algorithm == "diffusion_nft"
+    return load_config("sync", [
+        f"model.path={model_dir}", f"model.family={family}", "model.lora_rank=4", "model.lora_alpha=8",
+        f"algorithm.name={algorithm}", "algorithm.beta=0.04", "trainer.micro_batch_size=2", "rollout.sde_window_range=null",
+        "rollout.group_size=2", "rollout.groups_per_step=2", *(["algorithm.nft_timestep_fraction=0.5"] if nft else []),
+        f"reward.weights={{{'frames_' if family == 'wan' else ''}jpeg_compressibility: 1.0}}", "reward.options={}", *extra])
+
+
+def make_groups(learner, algorithm):
+    nft = algorithm == "diffusion_nft"
+    groups = learner.policy.generate(["a red circle", "a blue square"], 2, num_steps=STEPS, guidance_scale=1.0 if nft else 3.0,
+                                     noise_level=0.7, sde_type="sde", window_size=0 if nft else 2, seed=0)
+    rewards = torch.tensor([0.1, 0.7, 0.4, 0.2])
+    adv, _ = algo.group_advantages(rewards, torch.arange(2).repeat_interleave(2))
+    for k, g in enumerate(groups):
+        g.rewards, g.advantages = rewards[2 * k : 2 * k + 2], adv[2 * k : 2 * k + 2]
+    return groups
+
+
+def train(learner, groups, reduce=None):
+    """One train_step from a fixed seed (DiffusionNFT's noise); the gradients after the reduce."""
+    grads = []
+
+    def record(params):
+        if reduce is not None:
+            reduce(params)
+        grads.append([p.grad.clone() for p in params])
+
+    learner.grad_all_reduce = record
+    torch.manual_seed(7)
+    metrics = learner.train_step(groups, version=0)
+    return metrics, grads[0]
+
+
+def sequence_rank(rank, world_size, port, cases, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    out = []
+    for model_dir, family, algorithm in cases:
+        cfg = case_config(model_dir, family, algorithm, "trainer.num_workers=2", "trainer.sequence_parallel=2")
+        learner = build_learner(cfg)  # parallelized on the (dp 1, sequence 2) mesh
+        groups = torch.load(f"{out_path}.groups.{family}.{algorithm}", weights_only=False)
+        metrics, grads = train(learner, groups, functools.partial(seqpar.all_reduce_grads, data_parallel=1))
+        out.append({"metrics": metrics, "grads": grads})
+    torch.save(out, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return {"wan": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan"))),
+            "flux": make_tiny_flux_dir(str(tmp_path_factory.mktemp("flux")))}
+
+
+def test_two_ranks_in_one_sequence_group_make_the_one_rank_update(model_dirs, tmp_path):
+    out_path = str(tmp_path / "out.pt")
+    expected, cases = [], []
+    for family, algorithm in CASES:
+        learner = build_learner(case_config(model_dirs[family], family, algorithm))
+        groups = make_groups(learner, algorithm)
+        torch.save(groups, f"{out_path}.groups.{family}.{algorithm}")
+        expected.append(train(learner, groups))
+        cases.append((model_dirs[family], family, algorithm))
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(sequence_rank, args=(2, port, cases, out_path), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in (0, 1)]
+
+    for (family, algorithm), (metrics, grads), got0, got1 in zip(CASES, expected, *ranks):
+        what = f"{family} {algorithm}"
+        for key in ("loss/policy", "loss/kl"):
+            assert got0["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-9), f"{what}: {key}"
+            assert got1["metrics"][key] == got0["metrics"][key], f"{what}: {key} differs between the group's ranks"
+        total = torch.cat([g.flatten() for g in grads])
+        assert total.norm() > 0
+        for got in (got0, got1):
+            split = torch.cat([g.flatten() for g in got["grads"]])
+            assert torch.allclose(split, total, rtol=1e-5, atol=1e-5 * float(total.abs().max())), \
+                f"{what}: max diff {float((split - total).abs().max()):.3g} of {float(total.abs().max()):.3g}"
+            assert not torch.allclose(split / 2, total, rtol=1e-2), what  # a mean over the group would halve them
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("trainer.sequence_parallel=2",), "does not divide trainer.num_workers"),
+    (("trainer.num_workers=2", "trainer.sequence_parallel=2", "model.family=sd3"), "no context-parallel plan"),
+    (("trainer.num_workers=4", "trainer.sequence_parallel=4", "model.family=flux"), "splits the 2 attention heads"),
+])
+def test_bad_sequence_parallel_config_is_one_line_naming_the_key(model_dirs, tiny_model_dir, extra, message):
+    model_dir = model_dirs["flux"] if "model.family=flux" in extra else tiny_model_dir
+    with pytest.raises(ConfigError, match=f"trainer.sequence_parallel.*{message}") as e:
+        load_config("sync", [f"model.path={model_dir}", "rollout.groups_per_step=2", *extra])
+    assert "\n" not in str(e.value)
