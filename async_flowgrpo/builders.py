@@ -97,8 +97,6 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     """With trainer.fsdp or trainer.sequence_parallel > 1 the process group must exist already (their
     device meshes are built on it; every trainer calls this, in step).
     adapter: as in build_policy; device: the GPU when there is one, unless given."""
-    import torch.distributed as dist
-
     from async_flowgrpo import fsdp, seqpar
     from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
@@ -123,10 +121,8 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     if t.sequence_parallel > 1:
         seqpar.parallelize(policy.transformers(), seqpar.make_mesh(t.sequence_parallel))
     if t.fsdp:
-        # FSDP averages over every rank; a sequence group's gradients are summed (async_flowgrpo.seqpar)
-        divide = dist.get_world_size() // t.sequence_parallel if t.sequence_parallel > 1 else None
         for transformer in policy.transformers():
-            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype, divide)
+            fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
     # what both learners take: the optimizer, batching and the data-parallel reduce
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
                                  warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio)

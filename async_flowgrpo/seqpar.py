@@ -17,8 +17,9 @@ Gradients. The gather's backward hands each rank the gradient of its own token s
 rank's parameter gradients hold its shard's part of the update: they are SUMMED over the sequence
 group (tests/test_seqpar.py checks this against one process), then averaged over the data axis as
 without it. Both at once: one all-reduce (sum) over every trainer, divided by the data-parallel size
-(`all_reduce_grads`). Under FSDP, whose reduce-scatter averages over every rank, the divide factor
-is set to the data-parallel size instead (`fsdp.shard_transformer`).
+(`all_reduce_grads`). Under FSDP, whose reduce-scatter averages over every rank, each rank's shard
+of the mean is multiplied by N (`scale_grads`; FSDP's own divide factor is a PREMUL_SUM reduction,
+which gloo lacks).
 
 Ranks r = d * N + s: consecutive ranks share a micro-batch (data rank d, sequence rank s). The
 ranks of a group must draw the same random numbers (DiffusionNFT's noise and timesteps): seed by d.
@@ -26,6 +27,8 @@ ranks of a group must draw the same random numbers (DiffusionNFT's noise and tim
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from contextlib import nullcontext
 from unittest import mock
 
@@ -69,6 +72,21 @@ def parallelize(transformers: list[nn.Module], mesh) -> None:
         cpu_only = torch.accelerator.device_count() == 0
         with mock.patch.object(torch.accelerator, "device_count", return_value=1) if cpu_only else nullcontext():
             model.enable_parallelism(config=config)
+
+
+def grad_reduce(world_size: int, sequence_parallel: int, sharded: bool) -> Callable[[list[torch.Tensor]], None] | None:
+    """The Learner's `grad_all_reduce` for `world_size` trainers in groups of `sequence_parallel`:
+    a flat all-reduce of replicated gradients, a rescale of FSDP's mean, or nothing to do."""
+    if sharded:
+        return functools.partial(scale_grads, factor=sequence_parallel) if sequence_parallel > 1 else None
+    if world_size == 1:
+        return None
+    return functools.partial(all_reduce_grads, data_parallel=world_size // sequence_parallel)
+
+
+def scale_grads(params: list[torch.Tensor], factor: float) -> None:
+    for p in params:
+        p.grad.mul_(factor)
 
 
 def all_reduce_grads(params: list[torch.Tensor], data_parallel: int) -> None:

@@ -17,7 +17,6 @@ store itself, so latents never pass through the driver.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import time
@@ -56,9 +55,8 @@ class TrainerActor:
             host, port = dp_address  # listening on this address only (loopback on one node)
             store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
-        reduce = functools.partial(seqpar.all_reduce_grads, data_parallel=world_size // self.sequence_parallel)
-        self.learner = build_learner(cfg, grad_all_reduce=reduce if replicated else None)
+        # replicated: one flat all-reduce; FSDP reduce-scatters gradients itself (seqpar.grad_reduce)
+        self.learner = build_learner(cfg, grad_all_reduce=seqpar.grad_reduce(world_size, self.sequence_parallel, self.sharded))
         self.ema = self._new_average()
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
