@@ -120,6 +120,7 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
                           **master)
     if t.sequence_parallel > 1:
         seqpar.parallelize(policy.transformers(), seqpar.make_mesh(t.sequence_parallel))
+        policy.adapter.token_multiple = t.sequence_parallel
     if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)

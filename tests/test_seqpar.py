@@ -1,8 +1,9 @@
 """Sequence parallelism without Ray: 2 gloo processes in one sequence group against one process on
 the same batch. The update must be the same: the loss and the LoRA gradients (after the group's
 reduce) equal within fp32 tolerance, for Flow-GRPO (with its KL term) and DiffusionNFT, on the Wan
-twin (3 latent frames: 192 tokens) and the Flux twin (64 image + 8 text tokens), and with FSDP
-sharding the weights over the same ranks. The gradients are summed over the group (async_flowgrpo.seqpar); the test also
+twin (3 latent frames: 192 tokens) and the Flux twin (64 image + 8 text tokens), Flow-GRPO on the
+Qwen-Image twin (its text trimmed per batch, padded to an even length and masked under the split,
+with CFG's shorter negative prompt), and with FSDP sharding the weights over the same ranks. The gradients are summed over the group (async_flowgrpo.seqpar); the test also
 shows that a mean, the data-parallel rule, would be wrong (half of them).
 """
 
@@ -14,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from async_flowgrpo import algo, fsdp, seqpar
+from async_flowgrpo import fsdp, seqpar
 from async_flowgrpo.builders import build_learner
 from async_flowgrpo.config import ConfigError, load_config
 from async_flowgrpo.models.tiny_flux import make_tiny_flux_dir
+from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
 from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
 
 torch.set_num_threads(1)
@@ -26,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 STEPS = 4
 # (family, algorithm, trainer.fsdp): FSDP shards the weights over the same two ranks
 CASES = [("wan", "flow_grpo", False), ("wan", "diffusion_nft", False), ("flux", "flow_grpo", False),
-         ("flux", "diffusion_nft", False), ("wan", "flow_grpo", True)]
+         ("flux", "diffusion_nft", False), ("qwen_image", "flow_grpo", False), ("wan", "flow_grpo", True)]
 
 
 def case_config(model_dir, family, algorithm, *extra):
@@ -43,7 +45,7 @@ def make_groups(learner, algorithm):
     groups = learner.policy.generate(["a red circle", "a blue square"], 2, num_steps=STEPS, guidance_scale=1.0 if nft else 3.0,
                                      noise_level=0.7, sde_type="sde", window_size=0 if nft else 2, seed=0)
     rewards = torch.tensor([0.1, 0.7, 0.4, 0.2])
-    adv, _ = algo.group_advantages(rewards, torch.arange(2).repeat_interleave(2))
+    adv = torch.tensor([1.0, -0.5, 0.3, 0.8])  # not zero-mean: Flow-GRPO's loss at ratio 1 is -mean(A), not 0
     for k, g in enumerate(groups):
         g.rewards, g.advantages = rewards[2 * k : 2 * k + 2], adv[2 * k : 2 * k + 2]
     return groups
@@ -85,10 +87,11 @@ def sequence_rank(rank, world_size, port, cases, out_path):
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     return {"wan": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan"))),
-            "flux": make_tiny_flux_dir(str(tmp_path_factory.mktemp("flux")))}
+            "flux": make_tiny_flux_dir(str(tmp_path_factory.mktemp("flux"))),
+            "qwen_image": make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen_image")))}
 
 
-@pytest.mark.slow  # 2 spawned processes, 5 model loads each: about 70 s on 2 cores
+@pytest.mark.slow  # 2 spawned processes, 6 model loads each: about 90 s on 2 cores
 def test_two_ranks_in_one_sequence_group_make_the_one_rank_update(model_dirs, tmp_path):
     out_path = str(tmp_path / "out.pt")
     expected, cases = [], []
