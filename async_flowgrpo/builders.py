@@ -119,7 +119,9 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, device=device,
                           **master)
     if t.sequence_parallel > 1:
-        seqpar.parallelize(policy.transformers(), seqpar.make_mesh(t.sequence_parallel))
+        # and a two-expert model's frozen expert (model.trained_experts), which still runs every sample
+        frozen = [m for m in policy.adapter.frozen_modules if getattr(m, "_cp_plan", None) is not None]
+        seqpar.parallelize(policy.transformers() + frozen, seqpar.make_mesh(t.sequence_parallel))
         policy.adapter.token_multiple = t.sequence_parallel
     if t.fsdp:
         for transformer in policy.transformers():

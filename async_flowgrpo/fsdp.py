@@ -31,20 +31,15 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def shard_transformer(transformer: nn.Module, compute_dtype: torch.dtype | None = None,
-                      gradient_divide_factor: float | None = None) -> None:
+def shard_transformer(transformer: nn.Module, compute_dtype: torch.dtype | None = None) -> None:
     """Shard in place: each block of every ModuleList child (SD3/Qwen `transformer_blocks`, Flux's
-    two block lists) is one unit, the root holds the embedders and the output layer.
-    gradient_divide_factor: what the reduce-scatter divides the summed gradients by (None: the
-    number of ranks, a mean; sequence parallelism passes the number of data-parallel groups)."""
+    two block lists) is one unit, the root holds the embedders and the output layer."""
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-    units = [block for child in transformer.children() if isinstance(child, nn.ModuleList) for block in child]
-    for block in units:
-        fully_shard(block, mp_policy=mp)
+    for child in transformer.children():
+        if isinstance(child, nn.ModuleList):
+            for block in child:
+                fully_shard(block, mp_policy=mp)
     fully_shard(transformer, mp_policy=mp)
-    if gradient_divide_factor is not None:
-        for unit in [*units, transformer]:
-            unit.set_gradient_divide_factor(gradient_divide_factor)
 
 
 def reshard(module: nn.Module) -> None:

@@ -3,7 +3,8 @@ the same batch. The update must be the same: the loss and the LoRA gradients (af
 reduce) equal within fp32 tolerance, for Flow-GRPO (with its KL term) and DiffusionNFT, on the Wan
 twin (3 latent frames: 192 tokens) and the Flux twin (64 image + 8 text tokens), Flow-GRPO on the
 Qwen-Image twin (its text trimmed per batch, padded to an even length and masked under the split,
-with CFG's shorter negative prompt), and with FSDP sharding the weights over the same ranks. The gradients are summed over the group (async_flowgrpo.seqpar); the test also
+with CFG's shorter negative prompt), on the Wan2.2 A14B twin (two experts, one of them trained), and
+with FSDP sharding the weights over the same ranks. The gradients are summed over the group (async_flowgrpo.seqpar); the test also
 shows that a mean, the data-parallel rule, would be wrong (half of them).
 """
 
@@ -26,24 +27,30 @@ torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 STEPS = 4
-# (family, algorithm, trainer.fsdp): FSDP shards the weights over the same two ranks
+# (twin, algorithm, trainer.fsdp): FSDP shards the weights over the same two ranks. wan22: Wan2.2
+# A14B's two experts, the high-noise one trained (steps 0-1, the window's), the other frozen and
+# split all the same (it runs steps 2-3 of every sample)
 CASES = [("wan", "flow_grpo", False), ("wan", "diffusion_nft", False), ("flux", "flow_grpo", False),
-         ("flux", "diffusion_nft", False), ("qwen_image", "flow_grpo", False), ("wan", "flow_grpo", True)]
+         ("flux", "diffusion_nft", False), ("qwen_image", "flow_grpo", False), ("wan", "flow_grpo", True),
+         ("wan22", "flow_grpo", False)]
+FAMILY = {"wan22": "wan"}
+EXTRA = {"wan22": ("model.trained_experts=[transformer]",)}
 
 
-def case_config(model_dir, family, algorithm, *extra):
-    nft = algorithm == "diffusion_nft"
+def case_config(model_dir, twin, algorithm, *extra):
+    nft, family = algorithm == "diffusion_nft", FAMILY.get(twin, twin)
     return load_config("sync", [
-        f"model.path={model_dir}", f"model.family={family}", "model.lora_rank=4", "model.lora_alpha=8",
+        f"model.path={model_dir}", f"model.family={family}", *EXTRA.get(twin, ()), "model.lora_rank=4", "model.lora_alpha=8",
         f"algorithm.name={algorithm}", "algorithm.beta=0.04", "trainer.micro_batch_size=2", "rollout.sde_window_range=null",
         "rollout.group_size=2", "rollout.groups_per_step=2", *(["algorithm.nft_timestep_fraction=0.5"] if nft else []),
         f"reward.weights={{{'frames_' if family == 'wan' else ''}jpeg_compressibility: 1.0}}", "reward.options={}", *extra])
 
 
-def make_groups(learner, algorithm):
+def make_groups(learner, twin, algorithm):
     nft = algorithm == "diffusion_nft"
+    window = {"window_size": 2, "window_range": (0, 2)} if twin == "wan22" else {"window_size": 0 if nft else 2}
     groups = learner.policy.generate(["a red circle", "a blue square"], 2, num_steps=STEPS, guidance_scale=1.0 if nft else 3.0,
-                                     noise_level=0.7, sde_type="sde", window_size=0 if nft else 2, seed=0)
+                                     noise_level=0.7, sde_type="sde", seed=0, **window)
     rewards = torch.tensor([0.1, 0.7, 0.4, 0.2])
     adv = torch.tensor([1.0, -0.5, 0.3, 0.8])  # not zero-mean: Flow-GRPO's loss at ratio 1 is -mean(A), not 0
     for k, g in enumerate(groups):
@@ -73,13 +80,15 @@ def sequence_rank(rank, world_size, port, cases, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     out = []
-    for model_dir, family, algorithm, sharded in cases:
-        cfg = case_config(model_dir, family, algorithm, "trainer.num_workers=2", "trainer.sequence_parallel=2",
+    for model_dir, twin, algorithm, sharded in cases:
+        cfg = case_config(model_dir, twin, algorithm, "trainer.num_workers=2", "trainer.sequence_parallel=2",
                           f"trainer.fsdp={sharded}")
         learner = build_learner(cfg)  # parallelized on the (dp 1, sequence 2) mesh
-        groups = torch.load(f"{out_path}.groups.{family}.{algorithm}", weights_only=False)
+        groups = torch.load(f"{out_path}.groups.{twin}.{algorithm}", weights_only=False)
         metrics, grads, weights = train(learner, groups, seqpar.grad_reduce(2, 2, sharded), sharded)
-        out.append({"metrics": metrics, "grads": grads, "weights": weights})
+        components = learner.policy.adapter.pipeline.components.values()
+        split = sum(getattr(m, "_parallel_config", None) is not None for m in components)  # transformers split
+        out.append({"metrics": metrics, "grads": grads, "weights": weights, "split": split})
     torch.save(out, f"{out_path}.{rank}")
     dist.destroy_process_group()
 
@@ -88,19 +97,20 @@ def sequence_rank(rank, world_size, port, cases, out_path):
 def model_dirs(tmp_path_factory):
     return {"wan": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan"))),
             "flux": make_tiny_flux_dir(str(tmp_path_factory.mktemp("flux"))),
-            "qwen_image": make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen_image")))}
+            "qwen_image": make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen_image"))),
+            "wan22": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan22")), "wan22_a14b")}
 
 
-@pytest.mark.slow  # 2 spawned processes, 6 model loads each: about 90 s on 2 cores
+@pytest.mark.slow  # 2 spawned processes, 7 model loads each: about 60 s on 2 cores
 def test_two_ranks_in_one_sequence_group_make_the_one_rank_update(model_dirs, tmp_path):
     out_path = str(tmp_path / "out.pt")
     expected, cases = [], []
-    for family, algorithm, sharded in CASES:
-        learner = build_learner(case_config(model_dirs[family], family, algorithm))
-        groups = make_groups(learner, algorithm)
-        torch.save(groups, f"{out_path}.groups.{family}.{algorithm}")
+    for twin, algorithm, sharded in CASES:
+        learner = build_learner(case_config(model_dirs[twin], twin, algorithm))
+        groups = make_groups(learner, twin, algorithm)
+        torch.save(groups, f"{out_path}.groups.{twin}.{algorithm}")
         expected.append(train(learner, groups))
-        cases.append((model_dirs[family], family, algorithm, sharded))
+        cases.append((model_dirs[twin], twin, algorithm, sharded))
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,8 +118,9 @@ def test_two_ranks_in_one_sequence_group_make_the_one_rank_update(model_dirs, tm
     mp.start_processes(sequence_rank, args=(2, port, cases, out_path), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in (0, 1)]
 
-    for (family, algorithm, sharded), (metrics, grads, weights), got0, got1 in zip(CASES, expected, *ranks):
-        what = f"{family} {algorithm}{' fsdp' if sharded else ''}"
+    for (twin, algorithm, sharded), (metrics, grads, weights), got0, got1 in zip(CASES, expected, *ranks):
+        what = f"{twin} {algorithm}{' fsdp' if sharded else ''}"
+        assert got0["split"] == (2 if twin == "wan22" else 1), what
         # the grad norm (before clipping) is scale-sensitive where Adam's first step is not
         for key in ("loss/policy", "loss/kl", "train/grad_norm"):
             assert got0["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-9), f"{what}: {key}"

@@ -9,6 +9,10 @@ the transformer sharded with FSDP2 (async_flowgrpo.fsdp). Sharded, the calls tha
 weights (push, evaluate, digest, checkpoint) are collective: the driver calls them on every rank
 (`driver.cluster.Cluster.on_trainers`) and rank 0 answers.
 
+With trainer.sequence_parallel = N (async_flowgrpo.seqpar), either layout gets a sequence axis: each N
+consecutive ranks receive the same shard, split its tokens, and sum their gradients; evaluation is
+then collective too (every rank generates every prompt).
+
 Trajectories arrive by reference: `train_step` gets the object refs of its shard's groups and
 the advantages the driver computed from their rewards, and fetches the groups from Ray's object
 store itself, so latents never pass through the driver.
@@ -56,7 +60,8 @@ class TrainerActor:
             store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         # replicated: one flat all-reduce; FSDP reduce-scatters gradients itself (seqpar.grad_reduce)
-        self.learner = build_learner(cfg, grad_all_reduce=seqpar.grad_reduce(world_size, self.sequence_parallel, self.sharded))
+        reduce = seqpar.grad_reduce(world_size, self.sequence_parallel, self.sharded)
+        self.learner = build_learner(cfg, grad_all_reduce=reduce)
         self.ema = self._new_average()
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
