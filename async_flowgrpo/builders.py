@@ -94,9 +94,10 @@ def avoid_cudnn_attention_backward() -> None:
 
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None
                   ) -> Learner | NFTLearner:
-    """With trainer.fsdp the process group must exist already (fully_shard needs a device mesh).
+    """With trainer.fsdp or trainer.sequence_parallel > 1 the process group must exist already (their
+    device meshes are built on it; every trainer calls this, in step).
     adapter: as in build_policy; device: the GPU when there is one, unless given."""
-    from async_flowgrpo import fsdp
+    from async_flowgrpo import fsdp, seqpar
     from async_flowgrpo.algo import lr_factor
     from async_flowgrpo.learner import Learner
     from async_flowgrpo.nft_learner import NFTLearner
@@ -117,6 +118,11 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
         master = {"dtype": torch.float32, "autocast_dtype": compute_dtype}
     policy = build_policy(cfg, adapter, reference_copy=a.beta > 0 and cfg.model.lora_rank == 0, device=device,
                           **master)
+    if t.sequence_parallel > 1:
+        # and a two-expert model's frozen expert (model.trained_experts), which still runs every sample
+        frozen = [m for m in policy.adapter.frozen_modules if getattr(m, "_cp_plan", None) is not None]
+        seqpar.parallelize(policy.transformers() + frozen, seqpar.make_mesh(t.sequence_parallel))
+        policy.adapter.token_multiple = t.sequence_parallel
     if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)

@@ -19,9 +19,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo import stop
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
-from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, model_experts, video_frames
+from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
+from async_flowgrpo.seqpar import FAMILIES as SEQUENCE_PARALLEL_FAMILIES
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
@@ -105,6 +106,11 @@ class TrainerConfig:
     micro_batch_size: int = 8
     mini_batches: int = 1  # optimizer steps per batch
     fsdp: bool = False  # shard the transformer over the trainers (torch fully_shard); else replicate (DDP-style)
+    # N > 1: sequence parallelism (async_flowgrpo.seqpar, Ulysses attention). Each N consecutive trainers
+    # take the same micro-batches and each runs 1/N of every sample's tokens (long videos, large images:
+    # activations / N); num_workers / N data-parallel groups split the batch. N must divide the
+    # attention heads and the token counts. Wan, Flux, Qwen-Image (diffusers' _cp_plan); 1 = off
+    sequence_parallel: int = 1
     checkpoint_every: int = 50
     keep_checkpoints: int = 3  # the newest K checkpoints are kept; 0 = keep all
     overwrite: bool = False  # a fresh run into a used output_dir deletes its old results (else: exit 2)
@@ -402,13 +408,26 @@ def validate(c: Config) -> None:
         existing = os.path.dirname(existing)
     _require(os.path.isdir(existing), "trainer.output_dir", f"{existing} exists and is not a directory")
     _require(t.sample_every >= 0, "trainer.sample_every", "must be >= 0")
-    # Trainers split a batch by whole groups; each splits its share into mini-batches of samples.
+    sp = t.sequence_parallel
+    _require(sp >= 1, "trainer.sequence_parallel", "must be >= 1 (1 = off)")
+    _require(t.num_workers % sp == 0, "trainer.sequence_parallel",
+             f"{sp} does not divide trainer.num_workers = {t.num_workers} (groups of {sp} trainers share a micro-batch)")
+    if sp > 1:
+        _require(c.model.family in SEQUENCE_PARALLEL_FAMILIES, "trainer.sequence_parallel",
+                 f"model.family {c.model.family} has no context-parallel plan in diffusers (families: "
+                 f"{', '.join(SEQUENCE_PARALLEL_FAMILIES)}); use 1")
+        heads = transformer_heads(model_dir)
+        _require(heads % sp == 0, "trainer.sequence_parallel",
+                 f"Ulysses attention splits the {heads} attention heads over {sp} ranks; use a divisor of {heads}")
+    # Data-parallel groups split a batch by whole groups; each splits its share into mini-batches of samples.
+    data_parallel = t.num_workers // sp
     _require(
-        r.groups_per_step % t.num_workers == 0,
+        r.groups_per_step % data_parallel == 0,
         "rollout.groups_per_step",
-        f"{r.groups_per_step} groups per step cannot be split evenly over trainer.num_workers = {t.num_workers}",
+        f"{r.groups_per_step} groups per step cannot be split evenly over {data_parallel} data-parallel trainers "
+        f"(trainer.num_workers = {t.num_workers} / trainer.sequence_parallel = {sp})",
     )
-    per_worker = c.batch_size // t.num_workers
+    per_worker = c.batch_size // data_parallel
     _require(
         per_worker % t.mini_batches == 0,
         "trainer.mini_batches",

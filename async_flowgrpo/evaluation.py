@@ -33,18 +33,26 @@ class EvaluationCut(Exception):
     """`interrupted()` turned true: the evaluation was abandoned (a stop does not wait for it)."""
 
 
+def agreed(interrupted: Callable[[], bool], device) -> Callable[[], bool]:
+    """interrupted() as any rank of the default process group sees it (a MAX all-reduce per call): ranks
+    whose forward passes are collective must leave an evaluation together."""
+
+    def any_rank() -> bool:
+        flag = torch.tensor([float(bool(interrupted()))], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() > 0
+
+    return any_rank
+
+
 def _cut_check(interrupted: Callable[[], bool], world_size: int, device) -> Callable[[], int]:
     """Raises EvaluationCut once `interrupted()`; called before every denoising step (as generate's
-    version_fn, so returns the version 0) and before each chunk is scored. Sharded, the ranks agree
-    (one all-reduce per step): their forward passes are collective, so they must leave together."""
+    version_fn, so returns the version 0) and before each chunk is scored. Sharded, the ranks agree."""
+    if world_size > 1:
+        interrupted = agreed(interrupted, device)
 
     def check() -> int:
-        cut = bool(interrupted())
-        if world_size > 1:
-            flag = torch.tensor([float(cut)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            cut = flag.item() > 0
-        if cut:
+        if interrupted():
             raise EvaluationCut("evaluation abandoned")
         return 0
 

@@ -9,6 +9,10 @@ the transformer sharded with FSDP2 (async_flowgrpo.fsdp). Sharded, the calls tha
 weights (push, evaluate, digest, checkpoint) are collective: the driver calls them on every rank
 (`driver.cluster.Cluster.on_trainers`) and rank 0 answers.
 
+With trainer.sequence_parallel = N (async_flowgrpo.seqpar), either layout gets a sequence axis: each N
+consecutive ranks receive the same shard, split its tokens, and sum their gradients; evaluation is
+then collective too (every rank generates every prompt).
+
 Trajectories arrive by reference: `train_step` gets the object refs of its shard's groups and
 the advantages the driver computed from their rewards, and fetches the groups from Ray's object
 store itself, so latents never pass through the driver.
@@ -26,6 +30,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from async_flowgrpo import seqpar
 from async_flowgrpo.actors import quiet_actor_output
 from async_flowgrpo.builders import build_learner, set_cpu_threads
 from async_flowgrpo.config import Config
@@ -35,19 +40,6 @@ from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.sync import rendezvous_store
 
 logger = logging.getLogger(__name__)
-
-
-def all_reduce_mean_grads(params: list[torch.Tensor]) -> None:
-    """Average gradients over the trainers' group in one flat all-reduce (DDP's result, no wrapper)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(g).clone()
-        offset += n
 
 
 @ray.remote(concurrency_groups={"control": 1})
@@ -60,14 +52,17 @@ class TrainerActor:
         set_cpu_threads(cfg.trainer.cpus_per_worker)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.sharded = cfg.trainer.fsdp
-        torch.manual_seed(cfg.trainer.seed + rank)
+        self.sequence_parallel = cfg.trainer.sequence_parallel
+        # a sequence group's ranks draw the same random numbers (DiffusionNFT's noise): seeded by data rank
+        torch.manual_seed(cfg.trainer.seed + seqpar.data_rank(rank, self.sequence_parallel))
         if world_size > 1 or self.sharded:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             host, port = dp_address  # listening on this address only (loopback on one node)
             store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        replicated = world_size > 1 and not self.sharded  # FSDP reduce-scatters gradients itself
-        self.learner = build_learner(cfg, grad_all_reduce=all_reduce_mean_grads if replicated else None)
+        # replicated: one flat all-reduce; FSDP reduce-scatters gradients itself (seqpar.grad_reduce)
+        reduce = seqpar.grad_reduce(world_size, self.sequence_parallel, self.sharded)
+        self.learner = build_learner(cfg, grad_all_reduce=reduce)
         self.ema = self._new_average()
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
@@ -177,16 +172,25 @@ class TrainerActor:
         self.stopping.set()
 
     def evaluate(self, step: int) -> dict | None:
-        """Sharded, the ranks split the prompts (collective); rank 0 returns the result. None when
-        abandoned (stop_evaluating)."""
-        from async_flowgrpo.evaluation import EvaluationCut, evaluate_policy
+        """Sharded, the ranks split the prompts (collective); rank 0 returns the result. With sequence
+        parallelism every rank generates every prompt (a group's ranks share each forward pass). None
+        when abandoned (stop_evaluating)."""
+        from async_flowgrpo import fsdp
+        from async_flowgrpo.evaluation import EvaluationCut, agreed, evaluate_policy
 
         try:
             with self._evaluated_weights():
+                if self.sequence_parallel > 1:
+                    try:  # the ranks' forward passes are collective: they abandon it together
+                        result = evaluate_policy(self.learner.policy, self.cfg,
+                                                 interrupted=agreed(self.stopping.is_set, self.learner.policy.device))
+                    finally:
+                        if self.sharded:
+                            for transformer in self.learner.policy.transformers():
+                                fsdp.reshard(transformer)
+                    return result if self.rank == 0 else None
                 if not self.sharded:
                     return evaluate_policy(self.learner.policy, self.cfg, interrupted=self.stopping.is_set)
-                from async_flowgrpo import fsdp
-
                 try:
                     return evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size, self.stopping.is_set)
                 finally:

@@ -321,9 +321,11 @@ class Cluster:
     # -- calls -----------------------------------------------------------------------------------
     @property
     def whole_weight_ranks(self) -> list:
-        """Trainers that must join a call needing whole weights: rank 0 alone, or, when the weights
-        are sharded (FSDP), every rank, since gathering them is collective."""
-        return self.trainers if self.cfg.trainer.fsdp else self.trainers[:1]
+        """Trainers that must join a call needing whole weights: rank 0 alone, or every rank when the
+        weights are sharded (FSDP: gathering them is collective) or the sequence split (evaluation's
+        forward passes are collective over a sequence group)."""
+        t = self.cfg.trainer
+        return self.trainers if t.fsdp or t.sequence_parallel > 1 else self.trainers[:1]
 
     def on_trainers(self, method: str, *args, timeout: float | None = None):
         """Call a rank-0 trainer method (on `whole_weight_ranks`); returns rank 0's answer."""

@@ -277,11 +277,13 @@ class Run:
         if not records:
             return None
         batch = make_batch(records, self.version, self.cfg.algorithm)
-        n = len(self.trainers)
+        sp = self.cfg.trainer.sequence_parallel  # the sp consecutive trainers of a sequence group share a shard
+        n = len(self.trainers) // sp
         if len(batch.records) < n:  # nothing (or too little) to learn from: keep the weights, count it
             return TrainStep(batch, [])
+        shards = [shard for shard in batch.shards(n) for _ in range(sp)]
         calls = [trainer.train_step.remote([([r.ref], adv) for r, adv in shard], self.version)
-                 for trainer, shard in zip(self.trainers, batch.shards(n))]
+                 for trainer, shard in zip(self.trainers, shards)]
         return TrainStep(batch, calls)
 
     def finish_train(self, step: TrainStep | None) -> dict[str, float] | None:
@@ -290,7 +292,8 @@ class Run:
             return None
         if not step.calls:
             return {**step.batch.metrics, "train/skipped_short_batch": 1.0}
-        per_rank = ray.get(step.calls, timeout=self.cfg.ray.work_timeout_s)
+        # a sequence group's ranks return the same metrics of the same shard: one of each counts
+        per_rank = ray.get(step.calls, timeout=self.cfg.ray.work_timeout_s)[:: self.cfg.trainer.sequence_parallel]
         metrics = {**reduce_metrics(per_rank), **step.batch.metrics}  # batch-wide reward stats, not per-shard means
         lost = int(metrics.pop("samples/lost", 0))  # fully_async: queued groups die with their rollout actor
         self.lost_samples += lost
@@ -298,7 +301,7 @@ class Run:
         self.trained_ticket_end = self.collected_ticket_end  # batch modes: resume regenerates from here
         self.step += 1
         self.version += 1
-        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * len(step.calls))
+        self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * len(per_rank))
         return metrics
 
     def _count_nonfinite(self, metrics: dict, updates: int) -> None:

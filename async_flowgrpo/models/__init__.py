@@ -110,6 +110,12 @@ def model_experts(path: str) -> tuple[str, ...]:
         or ("transformer",)
 
 
+def transformer_heads(path: str) -> int:
+    """The attention heads of the model's transformer, read from its config.json without loading it."""
+    with open(os.path.join(path, "transformer", "config.json")) as f:
+        return json.load(f)["num_attention_heads"]
+
+
 def adapter_class(family: str):
     """The adapter class of a model.family (imported on first use)."""
     for fam, module, cls in _FAMILIES.values():

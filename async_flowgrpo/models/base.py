@@ -63,6 +63,9 @@ class FamilyAdapter(TransformerPlacement):
     # True: linspace(1, 1/N, N) with a shift that grows with the image's token count, as the Flux
     # and Qwen-Image pipelines pass it; False: the scheduler's own set_timesteps with its fixed shift.
     resolution_shift = True
+    # a family that trims its text padding per batch (Qwen-Image) keeps the text tokens a multiple of
+    # this: sequence parallelism splits them over its ranks (set to trainer.sequence_parallel)
+    token_multiple = 1
 
     def __init__(self, pipeline, *, max_sequence_length: int, resolution: int, negative_prompt: str | None = None):
         self.pipeline = pipeline

@@ -71,6 +71,7 @@ class QwenImageAdapter(FamilyAdapter):
         # trim the shared padding: up to the batch's last valid token
         valid = mask.any(0).nonzero()
         length = int(valid.max()) + 1 if len(valid) else 1
+        length = min(-(-length // self.token_multiple) * self.token_multiple, mask.shape[1])  # masked padding
         mask = mask[:, :length]
         return transformer(
             hidden_states=x,

@@ -1,0 +1,103 @@
+"""Sequence parallelism for the trainers: the ranks form a data x sequence mesh, and the N ranks of a
+sequence group take the same micro-batch, each running 1/N of its tokens through the transformer.
+
+Selected by `trainer.sequence_parallel` (N). The attention exchange is diffusers' context
+parallelism (`ModelMixin.enable_parallelism` with a `ContextParallelConfig`): each transformer's
+`_cp_plan` splits the token axis after the embedders, Ulysses attention (an all-to-all to whole
+sequences on heads / N heads, and back, with its autograd backward) joins the shards inside every
+attention, and the output projection is all-gathered, so every rank of the group gets the whole
+velocity. The log-probs, the KL term and DiffusionNFT's regression are then computed on whole
+samples, the same on every rank of the group: nothing in the learners changes.
+
+Ring attention (diffusers' other kind) is not offered: it needs an attention backend that returns
+the log-sum-exp (flash-attn, cuDNN); PyTorch's native one, the CPU's and the trainers' (cuDNN
+attention is off in training, builders.avoid_cudnn_attention_backward), does not.
+
+Gradients. The gather's backward hands each rank the gradient of its own token shard only, so a
+rank's parameter gradients hold its shard's part of the update: they are SUMMED over the sequence
+group (tests/test_seqpar.py checks this against one process), then averaged over the data axis as
+without it. Both at once: one all-reduce (sum) over every trainer, divided by the data-parallel size
+(`all_reduce_grads`). Under FSDP, whose reduce-scatter averages over every rank, each rank's shard
+of the mean is multiplied by N (`scale_grads`; FSDP's own divide factor is a PREMUL_SUM reduction,
+which gloo lacks).
+
+Ranks r = d * N + s: consecutive ranks share a micro-batch (data rank d, sequence rank s). The
+ranks of a group must draw the same random numbers (DiffusionNFT's noise and timesteps): seed by d.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import nullcontext
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# the families whose diffusers transformer has a `_cp_plan` (SD3's has none)
+FAMILIES = ("flux", "qwen_image", "wan")
+
+
+def data_rank(rank: int, sequence_parallel: int) -> int:
+    return rank // sequence_parallel
+
+
+def make_mesh(sequence_parallel: int):
+    """Collective (every trainer calls it): the (dp, ring, ulysses) mesh over the trainers' default
+    process group, with the sequence axis on ulysses (diffusers wants both named axes)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % sequence_parallel:
+        raise ValueError(f"{world} trainers cannot form groups of {sequence_parallel}")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (world // sequence_parallel, 1, sequence_parallel),
+                            mesh_dim_names=("dp", "ring", "ulysses"))
+
+
+def parallelize(transformers: list[nn.Module], mesh) -> None:
+    """Turn on context parallelism in each diffusers transformer of `transformers` (a two-expert
+    module's children count one by one), on the mesh's ulysses axis."""
+    from diffusers import ContextParallelConfig, ModelMixin
+
+    models = [m for t in transformers for m in ([t] if isinstance(t, ModelMixin) else t.children())]
+    for model in models:
+        if getattr(model, "_cp_plan", None) is None:
+            raise ValueError(f"{type(model).__name__} has no context-parallel plan (_cp_plan)")
+        config = ContextParallelConfig(ulysses_degree=mesh["ulysses"].size(), mesh=mesh["ring", "ulysses"])
+        # diffusers records the device as rank % accelerator count, a division by zero on a CPU-only
+        # machine; the device it records is never used on CPU
+        cpu_only = torch.accelerator.device_count() == 0
+        with mock.patch.object(torch.accelerator, "device_count", return_value=1) if cpu_only else nullcontext():
+            model.enable_parallelism(config=config)
+
+
+def grad_reduce(world_size: int, sequence_parallel: int, sharded: bool) -> Callable[[list[torch.Tensor]], None] | None:
+    """The Learner's `grad_all_reduce` for `world_size` trainers in groups of `sequence_parallel`:
+    a flat all-reduce of replicated gradients, a rescale of FSDP's mean, or nothing to do."""
+    if sharded:
+        return functools.partial(scale_grads, factor=sequence_parallel) if sequence_parallel > 1 else None
+    if world_size == 1:
+        return None
+    return functools.partial(all_reduce_grads, data_parallel=world_size // sequence_parallel)
+
+
+def scale_grads(params: list[torch.Tensor], factor: float) -> None:
+    for p in params:
+        p.grad.mul_(factor)
+
+
+def all_reduce_grads(params: list[torch.Tensor], data_parallel: int) -> None:
+    """Sum the gradients over the sequence groups and average them over the data axis: one flat
+    all-reduce (sum) over every trainer, divided by the number of data-parallel groups."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= data_parallel
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(g).clone()
+        offset += n
