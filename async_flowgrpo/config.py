@@ -166,6 +166,12 @@ class RewardConfig:
     cpus_per_worker: float = 0.25
     timeout_s: float = 300.0  # per group; enforced by the pool (num_workers > 0)
     max_consecutive_failures: int = 5
+    # Score a group on a scoring thread while the rollout worker generates the next one; false =
+    # score each group before starting the next (the blocking path, for comparison)
+    overlap: bool = True
+    # groups per rollout worker handed to scoring and not yet scored (back-pressure); a worker
+    # that would exceed it waits (counted in perf/reward_wait_frac)
+    max_pending: int = 2
 
 
 @dataclass
@@ -453,6 +459,7 @@ def validate(c: Config) -> None:
     _require(w.cpus_per_worker > 0, "reward.cpus_per_worker", "must be > 0")
     _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _require(w.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
+    _require(w.max_pending >= 1, "reward.max_pending", "must be >= 1 (reward.overlap=false scores each group before the next)")
 
     e = c.eval
     _require(e.every >= 0, "eval.every", "must be >= 0")

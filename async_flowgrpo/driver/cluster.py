@@ -261,7 +261,9 @@ class Cluster:
             for i in range(t.num_workers)
         ]
         w = cfg.reward
-        self.reward_actors = make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker) if w.num_workers else []
+        concurrency = w.max_pending * r.num_workers if w.overlap else 1
+        self.reward_actors = (make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker, concurrency)
+                              if w.num_workers else [])
         self.rollouts = [
             self.rollout_actor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
                 cfg, i, self.transport, self.reward_actors
