@@ -71,12 +71,14 @@ def test_a_reward_worker_killed_mid_call_skips_that_group_once_and_the_run_goes_
     def handle(prompts, client_port):
         requests.append(prompts[0])
         if prompts[0] == "a blue square" and not killed:
-            pid = next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == client_port and c.pid)
+            pid = next(c.pid for c in psutil.net_connections("tcp")
+                       if c.pid and c.laddr == ("127.0.0.1", client_port) and c.raddr and c.raddr[1] == server_port[0])
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)
         return [0.5] * len(prompts)
 
     server, url = scoring_server(handle)
+    server_port = [server.server_address[1]]
     try:
         run(small_config(mode, tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
                          "reward.num_workers=1", "reward.cpus_per_worker=0.1", *remote(url)))
@@ -84,11 +86,11 @@ def test_a_reward_worker_killed_mid_call_skips_that_group_once_and_the_run_goes_
         server.shutdown()
     rows = read_metrics(str(tmp_path))
     last = rows[-1]
-    assert killed and len(rows) == 2
+    assert killed and len(rows) == 2 and last["rollout/restarts"] == 0  # the reward actor died, not the rollout
     assert last["rewards/errors"] >= 1 and last["rewards/skipped_groups"] == last["rewards/errors"]
     assert last["samples/consumed"] == sum(r["samples/trained"] for r in rows)
-    if mode == "sync":  # every group generated is sent once: 2 steps x 4 groups, none again
-        assert len(requests) == 8
+    if mode == "sync":  # 2 steps x 4 groups, each sent at most once (not at all when the actor was down)
+        assert len(requests) <= 8 and requests.count("a blue square") <= 2
         assert last["samples/consumed"] == (8 - last["rewards/errors"]) * 2
 
 

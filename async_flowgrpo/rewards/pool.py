@@ -19,27 +19,27 @@ class RewardActor:
     def __init__(self, weights: dict[str, float], options: dict[str, dict]):
         self.reward = CombinedReward(weights, options)
 
+    def ready(self) -> bool:
+        return True
+
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         return self.reward(images, prompts, metadata)
 
 
 class PooledReward:
+    """Each group is sent once: a call that fails in any way (timed out, the actor died or became
+    unavailable while it ran) skips the group and is never sent again, since the reward may have
+    run. Only waiting for a restarting actor before sending happens more than once."""
+
     def __init__(self, actors: list, timeout_s: float):
         self.actors, self.timeout_s = actors, timeout_s
         self._turn = itertools.cycle(range(len(actors)))
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
         actor = self.actors[next(self._turn)]
-        restart_deadline = time.monotonic() + RESTART_WAIT_S
         try:
-            while True:
-                try:
-                    return ray.get(actor.score.remote(images, prompts, metadata), timeout=self.timeout_s)
-                except ray.exceptions.ActorUnavailableError:
-                    # Restarting after an earlier timeout: its start-up does not count against this group.
-                    if time.monotonic() > restart_deadline:
-                        raise
-                    time.sleep(0.5)
+            _wait_ready(actor)  # restarting after an earlier timeout or death: its start-up does not count against this group
+            return ray.get(actor.score.remote(images, prompts, metadata), timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             ray.kill(actor, no_restart=False)  # stop the hung call; Ray restarts the actor (max_restarts)
             raise RewardError("pool", f"timed out after {self.timeout_s:g}s (reward.timeout_s)") from None
@@ -49,6 +49,18 @@ class PooledReward:
             raise RewardError("pool", str(e).splitlines()[0]) from None
         except ray.exceptions.RayActorError as e:
             raise RewardError("pool", f"reward actor died: {str(e).splitlines()[0]}") from None
+
+
+def _wait_ready(actor) -> None:
+    deadline = time.monotonic() + RESTART_WAIT_S
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=RESTART_WAIT_S)
+            return
+        except ray.exceptions.RayActorError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def make_reward_pool(num_workers: int, weights: dict[str, float], options: dict[str, dict], cpus_per_worker: float,
