@@ -274,6 +274,13 @@ def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, pro
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.resources={rollout_node: 1}")
     with pytest.raises(RunError, match="rollout.resources: 1 of 'rollout_node' requested, the cluster has 0"):
         Run(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "reward.num_workers=2",
+                       "reward.resources={judge_node: 1}")
+    with pytest.raises(RunError, match="reward.resources: 2 of 'judge_node' requested, the cluster has 0"):
+        Run(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "reward.num_workers=1", "reward.gpus_per_worker=1")
+    with pytest.raises(RunError, match=r"GPUs requested \(1 rollout \+ 1 trainer \+ 1 reward actors\)"):
+        Run(cfg)
 
 
 def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

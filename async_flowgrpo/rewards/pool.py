@@ -64,11 +64,13 @@ def _wait_ready(actor) -> None:
 
 
 def make_reward_pool(num_workers: int, weights: dict[str, float], options: dict[str, dict], cpus_per_worker: float,
+                     gpus_per_worker: float = 0.0, resources: dict[str, float] | None = None,
                      max_concurrency: int = 1) -> list:
     """max_restarts: a reward actor cancelled after a timeout (or killed) comes back for the next
     group. max_concurrency: the groups one actor scores at once (every rollout worker's pending
     groups), so one slow group neither holds back the others nor eats their reward.timeout_s."""
     return [
-        RewardActor.options(num_cpus=cpus_per_worker, max_restarts=-1, max_concurrency=max_concurrency).remote(weights, options)
+        RewardActor.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, resources=dict(resources or {}),
+                            max_restarts=-1, max_concurrency=max_concurrency).remote(weights, options)
         for _ in range(num_workers)
     ]
