@@ -192,7 +192,10 @@ def test_reward_stage_settings_are_validated(model):
     for overrides, key in ((["reward.max_pending=0"], "reward.max_pending"),
                            (["reward.gpus_per_worker=-1", "reward.num_workers=1"], "reward.gpus_per_worker"),
                            (["reward.resources={judge: 0}", "reward.num_workers=1"], "reward.resources"),
-                           (["reward.gpus_per_worker=1"], "reward.gpus_per_worker: .*set reward.num_workers > 0")):
+                           (["reward.gpus_per_worker=1"], "reward.gpus_per_worker: .*set reward.num_workers > 0"),
+                           (["reward.batch_size=8"], "reward.batch_size: .*set reward.num_workers > 0"),
+                           (["reward.batch_size=-1", "reward.num_workers=1"], "reward.batch_size"),
+                           (["reward.batch_wait_s=-1"], "reward.batch_wait_s")):
         with pytest.raises(ConfigError, match=key):
             load_config("sync", [model, *overrides])
     cfg = load_config("sync", [model, "reward.overlap=false", "reward.num_workers=1", "reward.gpus_per_worker=0.5",

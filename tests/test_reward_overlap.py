@@ -94,6 +94,22 @@ def test_a_reward_worker_killed_mid_call_skips_that_group_once_and_the_run_goes_
         assert last["samples/consumed"] == (8 - last["rewards/errors"]) * 2
 
 
+def test_a_reward_actor_scores_groups_of_two_rollout_workers_in_one_request(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """reward.batch_size: groups that reach the reward actor together go out as one request (up to
+    batch_size images); every group is scored once and trained."""
+    sizes = []
+    server, url = scoring_server(lambda prompts, _: sizes.append(len(prompts)) or [0.5] * len(prompts))
+    try:
+        run(small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
+                         "rollout.num_workers=2", "reward.num_workers=1", "reward.cpus_per_worker=0.1",
+                         "reward.batch_size=4", "reward.batch_wait_s=1.0", *remote(url)))
+    finally:
+        server.shutdown()
+    rows = read_metrics(str(tmp_path))
+    assert max(sizes) == 4 and sum(sizes) == 2 * 4 * 2  # two groups of 2 images per request; each image once
+    assert rows[-1]["samples/consumed"] == 2 * 4 * 2 and rows[-1]["rewards/errors"] == 0
+
+
 def test_a_stop_with_groups_waiting_for_a_score_loses_and_repeats_nothing(
         ray_cluster, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """fully_async with a slow reward (0.4 s a group, longer than the tiny model takes to generate

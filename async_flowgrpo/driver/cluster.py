@@ -264,7 +264,8 @@ class Cluster:
         w = cfg.reward
         concurrency = w.max_pending * r.num_workers if w.overlap else 1
         self.reward_actors = (make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker, w.gpus_per_worker,
-                                               w.resources, concurrency) if w.num_workers else [])
+                                               w.resources, concurrency, w.batch_size, w.batch_wait_s)
+                              if w.num_workers else [])
         self.rollouts = [
             self.rollout_actor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
                 cfg, i, self.transport, self.reward_actors

@@ -10,20 +10,27 @@ import ray
 import torch
 
 from async_flowgrpo.rewards import CombinedReward, RewardError
+from async_flowgrpo.rewards.batching import Batcher
 
 RESTART_WAIT_S = 300.0
 
 
 @ray.remote
 class RewardActor:
-    def __init__(self, weights: dict[str, float], options: dict[str, dict]):
+    """batch_size > 0: the groups sent at about the same time (from every rollout worker: the
+    actor takes that many calls at once) are scored in one call of the reward (`Batcher`)."""
+
+    def __init__(self, weights: dict[str, float], options: dict[str, dict], batch_size: int = 0, batch_wait_s: float = 0.0):
         self.reward = CombinedReward(weights, options)
+        self.batcher = Batcher(self.reward.score_groups, batch_size, batch_wait_s) if batch_size else None
 
     def ready(self) -> bool:
         return True
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        return self.reward(images, prompts, metadata)
+        if self.batcher is None:
+            return self.reward(images, prompts, metadata)
+        return self.batcher.submit((images, prompts, metadata), images.shape[0])
 
 
 class PooledReward:
@@ -65,12 +72,12 @@ def _wait_ready(actor) -> None:
 
 def make_reward_pool(num_workers: int, weights: dict[str, float], options: dict[str, dict], cpus_per_worker: float,
                      gpus_per_worker: float = 0.0, resources: dict[str, float] | None = None,
-                     max_concurrency: int = 1) -> list:
+                     max_concurrency: int = 1, batch_size: int = 0, batch_wait_s: float = 0.0) -> list:
     """max_restarts: a reward actor cancelled after a timeout (or killed) comes back for the next
     group. max_concurrency: the groups one actor scores at once (every rollout worker's pending
     groups), so one slow group neither holds back the others nor eats their reward.timeout_s."""
     return [
         RewardActor.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, resources=dict(resources or {}),
-                            max_restarts=-1, max_concurrency=max_concurrency).remote(weights, options)
+                            max_restarts=-1, max_concurrency=max_concurrency).remote(weights, options, batch_size, batch_wait_s)
         for _ in range(num_workers)
     ]
