@@ -78,10 +78,10 @@ def dataflow(ax):
     ax.set_title("data flow (fully_async; the batch modes skip the queue actor)", fontsize=9, loc="left")
     y, h = 0.3, 0.34
     box(ax, (0.0, y), 0.15, h, "rollout actors\ngenerate; record\nlog-probs, versions", ROLLOUT)
-    box(ax, (0.2, y), 0.17, h, "reward stage\n<= max_pending groups\nper worker, scored while\nthe next generates", "0.4")
+    box(ax, (0.2, y), 0.17, h, "reward stage\nscored while the\nnext group generates", "0.4")
     box(ax, (0.42, y), 0.15, h, "queue actor\nadmission: staleness\n<= max_staleness", "0.4")
     box(ax, (0.62, y), 0.15, h, "driver\nrecords only:\nadvantages, metrics", "0.4")
-    box(ax, (0.82, y), 0.18, h, "trainer actors\nclipped loss with\nstaleness weight,\nAdamW", TRAIN)
+    box(ax, (0.82, y), 0.18, h, "trainer actors\nclipped loss,\nstaleness weight", TRAIN)
     box(ax, (0.3, 0.8), 0.4, 0.17, "Ray object store: groups (latents, log-probs, images)", "0.6")
     mid = y + h / 2
     arrow(ax, (0.15, mid), (0.2, mid), "group")
