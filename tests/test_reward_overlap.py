@@ -19,7 +19,7 @@ from async_flowgrpo.driver.run import Run, checkpointer
 from async_flowgrpo.modes import run
 from async_flowgrpo.stop import Stopped
 
-from test_run import PROMPTS, prompt_file, read_metrics, small_config  # noqa: F401  (prompt_file: a fixture)
+from test_run import prompt_file, read_metrics, small_config  # noqa: F401  (prompt_file: a fixture)
 
 
 def scoring_server(handle):

@@ -146,7 +146,6 @@ class CombinedReward:
         images = groups[0][0] if len(groups) == 1 else torch.cat([g[0] for g in groups])
         prompts = [p for g in groups for p in g[1]]
         metadata = [m for g in groups for m in g[2]]
-        n = images.shape[0]
         components: list[dict[str, torch.Tensor]] = [{} for _ in groups]
         errors: list[RewardError | None] = [None] * len(groups)
         totals = [torch.zeros(size, dtype=torch.float32) for size in sizes]
