@@ -550,8 +550,10 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
                                             + last["queue/size_samples"])
 
 
-def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    """reward.num_workers > 0: a reward that hangs past reward.timeout_s skips its group (counted)."""
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path, mode):
+    """reward.num_workers > 0: a reward that hangs past reward.timeout_s skips its group (counted),
+    while the groups after it are scored meanwhile (reward.overlap)."""
     import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -572,7 +574,7 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
     try:
         cfg = small_config(
-            "sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
+            mode, tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
             "reward.weights={remote: 1.0}", f"reward.options={{remote: {{url: '{url}', retries: 0}}}}",
             "reward.num_workers=1", "reward.cpus_per_worker=0.1", "reward.timeout_s=3",
         )
@@ -580,9 +582,13 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     finally:
         server.shutdown()
     rows = read_metrics(str(tmp_path))
-    assert len(rows) == 2
-    assert rows[-1]["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
-    assert rows[-1]["samples/consumed"] == 2 * 3 * 2
+    last = rows[-1]
+    assert len(rows) == 2 and last["rewards/skipped_groups"] == last["rewards/errors"]
+    if mode == "sync":
+        assert last["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
+        assert last["samples/consumed"] == 2 * 3 * 2
+    else:  # every batch full of well-scored groups
+        assert last["rewards/errors"] >= 1 and last["samples/consumed"] == 2 * 4 * 2
 
 
 def scoring_server(scores_for):
