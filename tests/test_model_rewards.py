@@ -413,6 +413,36 @@ def test_remote_reuses_each_threads_connection_and_reopens_one_the_server_closed
         s2.close()
 
 
+def test_remote_goes_through_the_environments_http_proxy(monkeypatch):
+    """As urllib did: HTTP_PROXY takes the request with the whole URL (NO_PROXY empty here)."""
+    paths = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            paths.append(self.path)
+            n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["images"])
+            payload = json.dumps({"scores": [0.25] * n}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        out = remote_mod.remote(_images(2), PROMPTS[:2], [{}] * 2, url="http://judge.invalid:8000/score?v=2", retries=0)
+        assert out["score"].tolist() == [0.25, 0.25] and paths == ["http://judge.invalid:8000/score?v=2"]
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
 def test_remote_429_backs_off_and_retries_under_concurrency():
     s = _KeepAliveServer(throttle=True)
     try:

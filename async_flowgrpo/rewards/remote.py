@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import urllib.request
 from typing import Optional
 
 import torch
@@ -103,11 +104,24 @@ def _limit(url: str, max_concurrency: int) -> threading.BoundedSemaphore:
 
 
 def _connection(parts: urllib.parse.SplitResult, timeout_s: float) -> http.client.HTTPConnection:
+    """This thread's connection to the server, through the scheme's proxy from the environment
+    (HTTP_PROXY / HTTPS_PROXY, NO_PROXY honoured) as urllib would go."""
     key = (parts.scheme, parts.netloc)
     conn = _connections.by_server.get(key)
     if conn is None:
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = _connections.by_server[key] = cls(parts.netloc, timeout=timeout_s)
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+            via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}").netloc
+            if parts.scheme == "https":  # a CONNECT tunnel through the proxy, TLS to the server
+                conn = cls(via, timeout=timeout_s)
+                conn.set_tunnel(parts.netloc)
+            else:  # the proxy takes the whole URL
+                conn = http.client.HTTPConnection(via, timeout=timeout_s)
+                conn.via_proxy = True
+        else:
+            conn = cls(parts.netloc, timeout=timeout_s)
+        _connections.by_server[key] = conn
     conn.timeout = timeout_s
     if conn.sock is not None:
         conn.sock.settimeout(timeout_s)
@@ -127,6 +141,8 @@ def _send(parts: urllib.parse.SplitResult, data: bytes, headers: dict, timeout_s
     for reopened in (False, True):
         conn = _connection(parts, timeout_s)
         reused = conn.sock is not None
+        if getattr(conn, "via_proxy", False):
+            path = urllib.parse.urlunsplit(parts)
         try:
             conn.request("POST", path, body=data, headers=headers)
             resp = conn.getresponse()
