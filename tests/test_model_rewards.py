@@ -323,12 +323,12 @@ def test_remote_unreachable_and_missing_url():
 class _KeepAliveServer:
     """An HTTP/1.1 reward server that keeps connections open; records the connections it saw, the
     most requests it held at once, and answers 429 (Retry-After 0) to each connection's first request
-    when `throttle`."""
+    when `throttle`. A request is held until `gather` requests are in (at most `hold_s`)."""
 
-    def __init__(self, hold_s: float = 0.0, throttle: bool = False):
+    def __init__(self, hold_s: float = 0.0, throttle: bool = False, gather: int = 1):
         self.ports: list[int] = []
         self.in_flight = self.most_in_flight = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -344,8 +344,8 @@ class _KeepAliveServer:
                     server.ports.append(self.client_address[1])
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
-                time.sleep(hold_s)
-                with server.lock:
+                    server.lock.notify_all()
+                    server.lock.wait_for(lambda: server.in_flight >= gather, timeout=hold_s)
                     server.in_flight -= 1
                 if throttle and first:
                     payload, code = b"slow down", 429
@@ -384,11 +384,14 @@ def _score_from_threads(url: str, threads: int, calls: int = 1, **options) -> li
 
 
 def test_remote_sends_several_requests_at_once_up_to_its_concurrency_limit():
-    s = _KeepAliveServer(hold_s=0.3)
+    s = _KeepAliveServer(hold_s=5.0, gather=4)
     try:
-        assert len(_score_from_threads(s.url, 4)) == 4
+        assert len(_score_from_threads(s.url, 4, timeout_s=10.0)) == 4
         assert s.most_in_flight == 4  # four scoring threads, four requests in flight together
-        s.most_in_flight = 0
+    finally:
+        s.close()
+    s = _KeepAliveServer(hold_s=0.5, gather=3)  # would hold 3 together: the limit lets 2 in
+    try:
         assert len(_score_from_threads(s.url, 4, max_concurrency=2)) == 4
         assert s.most_in_flight == 2
     finally:
