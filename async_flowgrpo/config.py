@@ -184,8 +184,20 @@ class RewardConfig:
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     num_workers: int = 0  # 0 = score inside the rollout actor; >0 = a pool of reward actors
     cpus_per_worker: float = 0.25
+    gpus_per_worker: float = 0.0  # a reward model on a GPU of its own (or a share of one)
+    resources: dict[str, float] = field(default_factory=dict)  # as rollout.resources, e.g. {reward_node: 1}
+    # A reward actor scores the groups that reach it together (from several rollout workers) in one
+    # call, up to this many images or batch_wait_s after the first arrived; 0 = one group per call
+    batch_size: int = 0
+    batch_wait_s: float = 0.05
     timeout_s: float = 300.0  # per group; enforced by the pool (num_workers > 0)
     max_consecutive_failures: int = 5
+    # Score a group on a scoring thread while the rollout worker generates the next one; false =
+    # score each group before starting the next (the blocking path, for comparison)
+    overlap: bool = True
+    # groups per rollout worker handed to scoring and not yet scored (back-pressure); a worker
+    # that would exceed it waits (counted in perf/reward_wait_frac)
+    max_pending: int = 2
 
 
 @dataclass
@@ -499,8 +511,16 @@ def validate(c: Config) -> None:
             raise ConfigError(f"reward.options.{name}: {e}") from None
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
     _require(w.cpus_per_worker > 0, "reward.cpus_per_worker", "must be > 0")
+    _require(w.gpus_per_worker >= 0, "reward.gpus_per_worker", "must be >= 0")
+    _require(all(v > 0 for v in w.resources.values()), "reward.resources", "amounts must be > 0")
+    _require(w.num_workers > 0 or (w.gpus_per_worker == 0 and not w.resources), "reward.gpus_per_worker",
+             "reward.gpus_per_worker and reward.resources place reward actors: set reward.num_workers > 0")
+    _require(w.batch_size >= 0, "reward.batch_size", "must be >= 0 (0: one group per call)")
+    _require(w.batch_size == 0 or w.num_workers > 0, "reward.batch_size", "batches form in reward actors: set reward.num_workers > 0")
+    _require(w.batch_wait_s >= 0, "reward.batch_wait_s", "must be >= 0")
     _require(w.timeout_s > 0, "reward.timeout_s", "must be > 0")
     _require(w.max_consecutive_failures >= 1, "reward.max_consecutive_failures", "must be >= 1")
+    _require(w.max_pending >= 1, "reward.max_pending", "must be >= 1 (reward.overlap=false scores each group before the next)")
 
     e = c.eval
     _require(e.every >= 0, "eval.every", "must be >= 0")

@@ -39,8 +39,10 @@ from async_flowgrpo.config import Config, to_yaml
 # case after combining ranks (a mean would hide one rank's blow-up). step/version are equal on
 # every rank; max keeps them ints.
 MAX_KEYS = frozenset({"is/weight_max", "staleness/max", "logp/max_abs_diff", "step", "version"})
-# Counters add up across ranks: each rank counts its own share of the batch.
+# Counters add up across ranks: each rank counts its own share of the batch (and each rollout
+# worker its own groups waiting for a score).
 SUM_PREFIXES = ("samples/",)
+SUM_KEYS = frozenset({"reward/pending"})
 SUM_SUBSTRINGS = ("skipped", "errors")
 
 
@@ -48,7 +50,7 @@ def reduction_for(key: str) -> str:
     """'max' | 'sum' | 'mean' — the rule `reduce_metrics` applies to `key`."""
     if key in MAX_KEYS or key.endswith(("_max", "/max")):
         return "max"
-    if key.startswith(SUM_PREFIXES) or any(s in key for s in SUM_SUBSTRINGS):
+    if key in SUM_KEYS or key.startswith(SUM_PREFIXES) or any(s in key for s in SUM_SUBSTRINGS):
         return "sum"
     return "mean"
 

@@ -77,18 +77,20 @@ def dataflow(ax):
     ax.axis("off")
     ax.set_title("data flow (fully_async; the batch modes skip the queue actor)", fontsize=9, loc="left")
     y, h = 0.3, 0.34
-    box(ax, (0.0, y), 0.19, h, "rollout actors\ngenerate, score; record\nlog-probs and versions", ROLLOUT)
-    box(ax, (0.27, y), 0.17, h, "queue actor\nadmission: staleness\n<= max_staleness", "0.4")
-    box(ax, (0.52, y), 0.17, h, "driver\nrecords only:\nadvantages, metrics", "0.4")
-    box(ax, (0.77, y), 0.23, h, "trainer actors\nclipped loss with\nstaleness weight, AdamW", TRAIN)
+    box(ax, (0.0, y), 0.15, h, "rollout actors\ngenerate; record\nlog-probs, versions", ROLLOUT)
+    box(ax, (0.2, y), 0.17, h, "reward stage\nscored while the\nnext group generates", "0.4")
+    box(ax, (0.42, y), 0.15, h, "queue actor\nadmission: staleness\n<= max_staleness", "0.4")
+    box(ax, (0.62, y), 0.15, h, "driver\nrecords only:\nadvantages, metrics", "0.4")
+    box(ax, (0.82, y), 0.18, h, "trainer actors\nclipped loss,\nstaleness weight", TRAIN)
     box(ax, (0.3, 0.8), 0.4, 0.17, "Ray object store: groups (latents, log-probs, images)", "0.6")
     mid = y + h / 2
-    arrow(ax, (0.19, mid), (0.27, mid), "record")
-    arrow(ax, (0.44, mid), (0.52, mid), "records")
-    arrow(ax, (0.69, mid), (0.77, mid), "shard refs")
-    arrow(ax, (0.1, y + h), (0.3, 0.86), "put", "0.5", dy=0.0)
-    arrow(ax, (0.7, 0.86), (0.88, y + h), "fetch", "0.5", dy=0.0)
-    ax.add_patch(FancyArrowPatch((0.88, y), (0.1, y), connectionstyle="arc3,rad=-0.18", arrowstyle="-|>",
+    arrow(ax, (0.15, mid), (0.2, mid), "group")
+    arrow(ax, (0.37, mid), (0.42, mid), "record")
+    arrow(ax, (0.57, mid), (0.62, mid), "records")
+    arrow(ax, (0.77, mid), (0.82, mid), "refs")
+    arrow(ax, (0.285, y + h), (0.36, 0.8), "put", "0.5", dy=0.0)
+    arrow(ax, (0.7, 0.86), (0.9, y + h), "fetch", "0.5", dy=0.0)
+    ax.add_patch(FancyArrowPatch((0.9, y), (0.07, y), connectionstyle="arc3,rad=-0.18", arrowstyle="-|>",
                                  mutation_scale=10, color=PUBLISH, lw=1.4))
     ax.text(0.5, -0.16, "weights, every sync.every updates: bucketed broadcast (NCCL / gloo), digest-checked, "
             "taken between denoising steps", ha="center", fontsize=8, color=PUBLISH)

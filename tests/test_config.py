@@ -186,6 +186,23 @@ def test_new_safety_settings_are_validated(model):
     assert load_config("sync", [model, "sync.host=10.0.0.5"]).sync.host == "10.0.0.5"
 
 
+def test_reward_stage_settings_are_validated(model):
+    cfg = load_config("fully_async", [model])
+    assert (cfg.reward.overlap, cfg.reward.max_pending) == (True, 2)  # overlap is the default
+    for overrides, key in ((["reward.max_pending=0"], "reward.max_pending"),
+                           (["reward.gpus_per_worker=-1", "reward.num_workers=1"], "reward.gpus_per_worker"),
+                           (["reward.resources={judge: 0}", "reward.num_workers=1"], "reward.resources"),
+                           (["reward.gpus_per_worker=1"], "reward.gpus_per_worker: .*set reward.num_workers > 0"),
+                           (["reward.batch_size=8"], "reward.batch_size: .*set reward.num_workers > 0"),
+                           (["reward.batch_size=-1", "reward.num_workers=1"], "reward.batch_size"),
+                           (["reward.batch_wait_s=-1"], "reward.batch_wait_s")):
+        with pytest.raises(ConfigError, match=key):
+            load_config("sync", [model, *overrides])
+    cfg = load_config("sync", [model, "reward.overlap=false", "reward.num_workers=1", "reward.gpus_per_worker=0.5",
+                               "reward.resources={judge: 1}"])
+    assert (cfg.reward.overlap, cfg.reward.gpus_per_worker, cfg.reward.resources) == (False, 0.5, {"judge": 1})
+
+
 @pytest.mark.parametrize("option, message", [
     ("score=bogus", r"reward.options.shapes: .*score must be one of partial, checks, correct, graded, got 'bogus'"),
     ("scroe=partial", r"reward.options.shapes: .*does not take option\(s\) scroe"),

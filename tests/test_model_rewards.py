@@ -320,6 +320,141 @@ def test_remote_unreachable_and_missing_url():
         remote_mod.ocr(_images(1), PROMPTS[:1], [{}])
 
 
+class _KeepAliveServer:
+    """An HTTP/1.1 reward server that keeps connections open; records the connections it saw, the
+    most requests it held at once, and answers 429 (Retry-After 0) to each connection's first request
+    when `throttle`. A request is held until `gather` requests are in (at most `hold_s`)."""
+
+    def __init__(self, hold_s: float = 0.0, throttle: bool = False, gather: int = 1):
+        self.ports: list[int] = []
+        self.in_flight = self.most_in_flight = 0
+        self.lock = threading.Condition()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    first = self.client_address[1] not in server.ports
+                    server.ports.append(self.client_address[1])
+                    server.in_flight += 1
+                    server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    server.lock.notify_all()
+                    server.lock.wait_for(lambda: server.in_flight >= gather, timeout=hold_s)
+                    server.in_flight -= 1
+                if throttle and first:
+                    payload, code = b"slow down", 429
+                else:
+                    payload, code = json.dumps({"scores": [0.5] * len(body["images"])}).encode(), 200
+                self.send_response(code)
+                if code == 429:
+                    self.send_header("Retry-After", "0")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _score_from_threads(url: str, threads: int, calls: int = 1, **options) -> list:
+    results = []
+
+    def score():
+        for _ in range(calls):
+            results.append(remote_mod.remote(_images(2), PROMPTS[:2], [{}] * 2, url=url, **{**FAST, **options}))
+
+    workers = [threading.Thread(target=score) for _ in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(10)
+    return results
+
+
+def test_remote_sends_several_requests_at_once_up_to_its_concurrency_limit():
+    s = _KeepAliveServer(hold_s=5.0, gather=4)
+    try:
+        assert len(_score_from_threads(s.url, 4, timeout_s=10.0)) == 4
+        assert s.most_in_flight == 4  # four scoring threads, four requests in flight together
+    finally:
+        s.close()
+    s = _KeepAliveServer(hold_s=0.5, gather=3)  # would hold 3 together: the limit lets 2 in
+    try:
+        assert len(_score_from_threads(s.url, 4, max_concurrency=2)) == 4
+        assert s.most_in_flight == 2
+    finally:
+        s.close()
+
+
+def test_remote_reuses_each_threads_connection_and_reopens_one_the_server_closed():
+    s = _KeepAliveServer()
+    try:
+        assert len(_score_from_threads(s.url, 2, calls=3)) == 6
+        assert len(set(s.ports)) == 2  # one connection per thread, three requests on each
+    finally:
+        s.close()
+    s2 = _KeepAliveServer()  # a kept connection whose server has gone: reopened, not a failed attempt
+    try:
+        remote_mod.remote(_images(2), PROMPTS[:2], [{}] * 2, url=s2.url, retries=0)
+        netloc = s2.url.split("/")[2]
+        remote_mod._connections.by_server[("http", netloc)].sock.shutdown(2)  # the connection is dead, as after an idle timeout
+        remote_mod.remote(_images(2), PROMPTS[:2], [{}] * 2, url=s2.url, retries=0)
+        assert len(set(s2.ports)) == 2
+    finally:
+        s2.close()
+
+
+def test_remote_goes_through_the_environments_http_proxy(monkeypatch):
+    """As urllib did: HTTP_PROXY takes the request with the whole URL (NO_PROXY empty here)."""
+    paths = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            paths.append(self.path)
+            n = len(json.loads(self.rfile.read(int(self.headers["Content-Length"])))["images"])
+            payload = json.dumps({"scores": [0.25] * n}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        out = remote_mod.remote(_images(2), PROMPTS[:2], [{}] * 2, url="http://judge.invalid:8000/score?v=2", retries=0)
+        assert out["score"].tolist() == [0.25, 0.25] and paths == ["http://judge.invalid:8000/score?v=2"]
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_remote_429_backs_off_and_retries_under_concurrency():
+    s = _KeepAliveServer(throttle=True)
+    try:
+        results = _score_from_threads(s.url, 3, retries=1, backoff_s=5.0)  # Retry-After 0 replaces the 5 s
+        assert len(results) == 3 and len(s.ports) == 6  # each thread: a 429, then its retry
+    finally:
+        s.close()
+
+
 def test_remote_through_combined_reward(server, monkeypatch):
     monkeypatch.setenv(remote_mod.ENV_OCR, server.url)
     images = _images(2)

@@ -549,3 +549,57 @@ def test_a_snapshot_fetches_the_queued_groups_and_leaves_the_queue_as_it_was(act
     assert [g.prompt_index for g in groups] == [0, 1, 2] and all(isinstance(g, Group) for g in groups)
     assert state["in_flight_tickets"] == [3] and state["queue"]["produced"] == 3
     assert [r.prompt_index for r in ray.get(q.get_batch.remote(2, 5), timeout=T)] == [0, 1]
+
+
+class _ScoringProducer(_Producer):
+    """A producer whose groups are scored on other threads (`make_record` returns a Future): each
+    score takes `score_s` and `fail` tickets score None."""
+
+    def __init__(self, queue, score_s: float, fail=()):
+        super().__init__(queue)
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.score_s, self.fail_scores = score_s, set(fail)
+        self.pool = ThreadPoolExecutor(max_workers=4)
+        self.scored: list[int] = []
+
+    def make_record(self, ticket: int):
+        from async_flowgrpo.types import GroupRecord
+
+        self.made.append(ticket)
+
+        def score():
+            time.sleep(self.score_s)
+            self.scored.append(ticket)
+            if ticket in self.fail_scores:
+                return None
+            group = make_group(ticket, 0, n=2)
+            return GroupRecord.of(group, ray.put(group))
+
+        return self.pool.submit(score)
+
+
+def test_groups_scored_meanwhile_are_handed_in_once_scored_in_the_order_made(actor):
+    """With scores in flight the producer goes on making groups; a group joins the queue once
+    scored, a failed score gives its slot back, and admission (which counts groups still being
+    scored) holds the producer at the bound: gps 2, eta 1, so 4 groups before version 1."""
+    q = actor(capacity=8, groups_per_step=2, max_staleness=1)
+    producer = _ScoringProducer(q, score_s=0.3, fail={1})
+    thread = producer.start()
+    deadline = time.monotonic() + T
+    while ray.get(q.stats.remote(), timeout=T)["queue/size"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if len(producer.made) >= 4:
+            assert ray.get(q.stats.remote(), timeout=T)["admission/in_flight"] <= 4
+    queued_at_bound = ray.get(q.stats.remote(), timeout=T)["queue/size"]
+    assert producer.made[:5] == [0, 1, 2, 3, 4] and queued_at_bound == 4  # ticket 1 failed: 4 admitted
+    producer.stop.set()
+    ray.get(q.set_version.remote(1), timeout=T)
+    thread.join(timeout=T)
+    assert not thread.is_alive()
+    s = ray.get(q.stats.remote(), timeout=T)
+    queued = [r.prompt_index for r in ray.get(q.get_batch.remote(s["queue/size"], 5), timeout=T)]
+    assert queued[:4] == [0, 2, 3, 4] and 1 not in queued
+    # groups still being scored at the stop gave their slots back: nothing is held, all accounted for
+    assert s["admission/in_flight"] == 0
+    assert s["admission/started"] == len(queued) + s["admission/released"]

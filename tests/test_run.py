@@ -274,6 +274,13 @@ def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, pro
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.resources={rollout_node: 1}")
     with pytest.raises(RunError, match="rollout.resources: 1 of 'rollout_node' requested, the cluster has 0"):
         Run(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "reward.num_workers=2",
+                       "reward.resources={judge_node: 1}")
+    with pytest.raises(RunError, match="reward.resources: 2 of 'judge_node' requested, the cluster has 0"):
+        Run(cfg)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "reward.num_workers=1", "reward.gpus_per_worker=1")
+    with pytest.raises(RunError, match=r"GPUs requested \(1 rollout \+ 1 trainer \+ 1 reward actors\)"):
+        Run(cfg)
 
 
 def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
@@ -511,7 +518,12 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
     output_dir = str(tmp_path)
     # 12 steps (about 6 s unloaded) so that a kill at the first metrics row always lands with steps
     # left to notice it: with 4 a loaded CI machine killed the actor after its last rollout
-    cfg = small_config(mode, tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=12")
+    # fully_async: with rewards scored while the next group generates (reward.overlap), groups can
+    # reach the queue later than the admission bound assumes; after the restart they arrived one
+    # version staler than max_staleness at some steps (2 runs in 3). The drop policy is what bounds
+    # what reaches the trainer then (dropped groups are counted below).
+    drop = ("algorithm.stale_policy=drop",) if mode == "fully_async" else ()
+    cfg = small_config(mode, tiny_model_dir, prompt_file, output_dir, "rollout.num_workers=2", "trainer.total_steps=12", *drop)
     killed = {}
 
     def kill_one_when_running():
@@ -543,8 +555,10 @@ def test_a_run_survives_a_killed_rollout_actor(ray_cluster, tiny_model_dir, prom
                                             + last["queue/size_samples"])
 
 
-def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    """reward.num_workers > 0: a reward that hangs past reward.timeout_s skips its group (counted)."""
+@pytest.mark.parametrize("mode", ["sync", "fully_async"])
+def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_model_dir, prompt_file, tmp_path, mode):
+    """reward.num_workers > 0: a reward that hangs past reward.timeout_s skips its group (counted),
+    while the groups after it are scored meanwhile (reward.overlap)."""
     import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
@@ -565,7 +579,7 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     url = f"http://127.0.0.1:{server.server_address[1]}/score"
     try:
         cfg = small_config(
-            "sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
+            mode, tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
             "reward.weights={remote: 1.0}", f"reward.options={{remote: {{url: '{url}', retries: 0}}}}",
             "reward.num_workers=1", "reward.cpus_per_worker=0.1", "reward.timeout_s=3",
         )
@@ -573,9 +587,13 @@ def test_reward_pool_times_out_a_hanging_reward_and_goes_on(ray_cluster, tiny_mo
     finally:
         server.shutdown()
     rows = read_metrics(str(tmp_path))
-    assert len(rows) == 2
-    assert rows[-1]["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
-    assert rows[-1]["samples/consumed"] == 2 * 3 * 2
+    last = rows[-1]
+    assert len(rows) == 2 and last["rewards/skipped_groups"] == last["rewards/errors"]
+    if mode == "sync":
+        assert last["rewards/errors"] == 2  # "a blue square" once per step (4 prompts per step)
+        assert last["samples/consumed"] == 2 * 3 * 2
+    else:  # every batch full of well-scored groups
+        assert last["rewards/errors"] >= 1 and last["samples/consumed"] == 2 * 4 * 2
 
 
 def scoring_server(scores_for):

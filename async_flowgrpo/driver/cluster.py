@@ -170,23 +170,24 @@ def _driver_signals_kept() -> Iterator[None]:
 def check_resources(cfg: Config) -> None:
     """Fail in seconds, not hang, when the cluster cannot hold the requested actors."""
     total = ray.cluster_resources()
-    r, t = cfg.rollout, cfg.trainer
-    need_gpu = r.num_workers * r.gpus_per_worker + t.num_workers * t.gpus_per_worker
+    r, t, w = cfg.rollout, cfg.trainer, cfg.reward
+    need_gpu = r.num_workers * r.gpus_per_worker + t.num_workers * t.gpus_per_worker + w.num_workers * w.gpus_per_worker
     need_cpu = r.num_workers * r.cpus_per_worker + t.num_workers * t.cpus_per_worker
-    need_cpu += cfg.reward.num_workers * cfg.reward.cpus_per_worker
+    need_cpu += w.num_workers * w.cpus_per_worker
     if need_gpu > total.get("GPU", 0):
         raise RunError(
-            f"rollout.gpus_per_worker/trainer.gpus_per_worker: {need_gpu:g} GPUs requested "
-            f"({r.num_workers} rollout + {t.num_workers} trainer actors), the cluster has {total.get('GPU', 0):g}"
+            f"rollout/trainer/reward .gpus_per_worker: {need_gpu:g} GPUs requested "
+            f"({r.num_workers} rollout + {t.num_workers} trainer + {w.num_workers} reward actors), "
+            f"the cluster has {total.get('GPU', 0):g}"
         )
     if need_cpu > total.get("CPU", 0):
         raise RunError(
             f"rollout/trainer/reward .cpus_per_worker: {need_cpu:g} CPUs requested, the cluster has {total.get('CPU', 0):g}"
         )
-    for key in dict.fromkeys([*r.resources, *t.resources]):
-        need = sum(x.num_workers * x.resources.get(key, 0) for x in (r, t))
+    for key in dict.fromkeys([*r.resources, *t.resources, *w.resources]):
+        need = sum(x.num_workers * x.resources.get(key, 0) for x in (r, t, w))
         if need > total.get(key, 0):
-            who = "/".join(name for x, name in ((r, "rollout"), (t, "trainer")) if key in x.resources)
+            who = "/".join(name for x, name in ((r, "rollout"), (t, "trainer"), (w, "reward")) if key in x.resources)
             raise RunError(f"{who}.resources: {need:g} of '{key}' requested, the cluster has {total.get(key, 0):g} "
                            f"(a node offers it with `ray start --resources='{{\"{key}\": N}}'`)")
 
@@ -261,7 +262,10 @@ class Cluster:
             for i in range(t.num_workers)
         ]
         w = cfg.reward
-        self.reward_actors = make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker) if w.num_workers else []
+        concurrency = w.max_pending * r.num_workers if w.overlap else 1
+        self.reward_actors = (make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker, w.gpus_per_worker,
+                                               w.resources, concurrency, w.batch_size, w.batch_wait_s)
+                              if w.num_workers else [])
         self.rollouts = [
             self.rollout_actor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
                 cfg, i, self.transport, self.reward_actors

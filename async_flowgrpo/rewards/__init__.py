@@ -132,29 +132,58 @@ class CombinedReward:
         self.fns = {name: get_reward(name, **options.get(name, {})) for name in self.weights}
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]):
-        n = images.shape[0]
-        total = torch.zeros(n, dtype=torch.float32)
-        components: dict[str, torch.Tensor] = {}
+        result = self.score_groups([(images, prompts, metadata)])[0]
+        if isinstance(result, RewardError):
+            raise result
+        return result
+
+    def score_groups(self, groups: list[tuple[torch.Tensor, list, list]]) -> list[tuple | RewardError]:
+        """Several groups (images, prompts, metadata) in one call of each reward, a batch for a
+        reward model: per group (score [n], components) or the RewardError that skips it. Each
+        group's scores are checked on their own (a NaN fails its group only); a reward that raises
+        or miscounts the batch fails every group of it."""
+        sizes = [g[0].shape[0] for g in groups]
+        images = groups[0][0] if len(groups) == 1 else torch.cat([g[0] for g in groups])
+        prompts = [p for g in groups for p in g[1]]
+        metadata = [m for g in groups for m in g[2]]
+        components: list[dict[str, torch.Tensor]] = [{} for _ in groups]
+        errors: list[RewardError | None] = [None] * len(groups)
+        totals = [torch.zeros(size, dtype=torch.float32) for size in sizes]
         video = images.dim() == 5
         for name, fn in self.fns.items():
-            if video and not takes_video(name):
-                raise RewardError(name, f"takes images [n, H, W, 3], got videos {list(images.shape)}; use "
-                                        f"{FRAMES_PREFIX}{name} (its mean over frames) or a video reward")
-            if not video and takes_video(name):
-                raise RewardError(name, f"takes videos [n, F, H, W, 3], got images {list(images.shape)}")
             try:
-                out = fn(images, prompts, metadata)
-            except Exception as e:  # surfaced with the reward's name; the caller skips and counts
-                raise RewardError(name, f"{type(e).__name__}: {e}") from e
-            parts = dict(out) if isinstance(out, dict) else {"score": out}
-            if "score" not in parts:
-                raise RewardError(name, "returned a dict without a 'score' entry")
-            for key, value in parts.items():
-                value = torch.as_tensor(value, dtype=torch.float32).reshape(-1).cpu()
-                if value.shape[0] != n:
-                    raise RewardError(name, f"'{key}' has {value.shape[0]} values for {n} images")
-                if key == "score" and not torch.isfinite(value).all():
-                    raise RewardError(name, "returned a non-finite score")
-                components[name if key == "score" else key] = value
-            total += self.weights[name] * components[name]
-        return total, components
+                parts = self._parts(name, fn, images, prompts, metadata, video)
+            except RewardError as e:
+                return [e] * len(groups)
+            start = 0
+            for i, size in enumerate(sizes):
+                for key, value in parts.items():
+                    part = value[start:start + size]
+                    if key == "score" and not torch.isfinite(part).all():
+                        errors[i] = errors[i] or RewardError(name, "returned a non-finite score")
+                    components[i][name if key == "score" else key] = part
+                totals[i] += self.weights[name] * components[i][name]
+                start += size
+        return [e or (t, c) for e, t, c in zip(errors, totals, components)]
+
+    @staticmethod
+    def _parts(name: str, fn, images: torch.Tensor, prompts: list, metadata: list, video: bool) -> dict[str, torch.Tensor]:
+        """One reward's outputs on the batch: {"score" or component: [n] float32}."""
+        n = images.shape[0]
+        if video and not takes_video(name):
+            raise RewardError(name, f"takes images [n, H, W, 3], got videos {list(images.shape)}; use "
+                                    f"{FRAMES_PREFIX}{name} (its mean over frames) or a video reward")
+        if not video and takes_video(name):
+            raise RewardError(name, f"takes videos [n, F, H, W, 3], got images {list(images.shape)}")
+        try:
+            out = fn(images, prompts, metadata)
+        except Exception as e:  # surfaced with the reward's name; the caller skips and counts
+            raise RewardError(name, f"{type(e).__name__}: {e}") from e
+        parts = dict(out) if isinstance(out, dict) else {"score": out}
+        if "score" not in parts:
+            raise RewardError(name, "returned a dict without a 'score' entry")
+        for key, value in parts.items():
+            parts[key] = value = torch.as_tensor(value, dtype=torch.float32).reshape(-1).cpu()
+            if value.shape[0] != n:
+                raise RewardError(name, f"'{key}' has {value.shape[0]} values for {n} images")
+        return parts

@@ -9,8 +9,12 @@ Response: {"scores": [float]*n, <other>: [number]*n, ...}, one value per image o
           "<name>/<other>"; other keys (strings, nested objects) are ignored.
 
 Connection errors, timeouts, HTTP 5xx and 429 are retried `retries` times with exponential backoff
-(backoff_s, 2*backoff_s, ...); other HTTP errors and malformed responses fail at once. Every error
-names the URL.
+(backoff_s, 2*backoff_s, ...; a 429's Retry-After when the server sends one); other HTTP errors and
+malformed responses fail at once. Every error names the URL.
+
+Several groups are scored at once (the rollout worker's scoring threads, a reward actor's calls):
+each thread keeps its connection to the server open between requests, and at most
+`max_concurrency` requests per URL are in flight from one process.
 
 Keyword options (`reward.options.<name>`):
     url         the endpoint (or the env var: $ASYNC_FLOWGRPO_REMOTE_URL, _OCR_URL, _GENEVAL_URL,
@@ -19,6 +23,7 @@ Keyword options (`reward.options.<name>`):
     retries     extra attempts after the first (default 2)
     backoff_s   first backoff (default 1.0)
     headers     extra HTTP headers, e.g. {"Authorization": "Bearer ..."}
+    max_concurrency  requests to the URL in flight at once from one process (default 8)
 """
 
 from __future__ import annotations
@@ -30,8 +35,9 @@ import json
 import math
 import os
 import socket
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Optional
 
@@ -80,31 +86,112 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float))  # bools count (e.g. GenEval's per-image "correct")
 
 
-def _post(url: str, data: bytes, headers: dict, timeout_s: float, retries: int, backoff_s: float) -> bytes:
+class _Connections(threading.local):
+    """This thread's kept-alive connection per server (scoring threads each hold their own)."""
+
+    def __init__(self):
+        self.by_server: dict[tuple[str, str], http.client.HTTPConnection] = {}
+
+
+_connections = _Connections()
+_limits: dict[tuple[str, int], threading.BoundedSemaphore] = {}  # (url, limit) -> its requests in flight here
+_limits_lock = threading.Lock()
+
+
+def _limit(url: str, max_concurrency: int) -> threading.BoundedSemaphore:
+    with _limits_lock:
+        return _limits.setdefault((url, max_concurrency), threading.BoundedSemaphore(max_concurrency))
+
+
+def _connection(parts: urllib.parse.SplitResult, timeout_s: float) -> http.client.HTTPConnection:
+    """This thread's connection to the server, through the scheme's proxy from the environment
+    (HTTP_PROXY / HTTPS_PROXY, NO_PROXY honoured) as urllib would go."""
+    key = (parts.scheme, parts.netloc)
+    conn = _connections.by_server.get(key)
+    if conn is None:
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        proxy = urllib.request.getproxies().get(parts.scheme)
+        if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+            via = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}").netloc
+            if parts.scheme == "https":  # a CONNECT tunnel through the proxy, TLS to the server
+                conn = cls(via, timeout=timeout_s)
+                conn.set_tunnel(parts.netloc)
+            else:  # the proxy takes the whole URL
+                conn = http.client.HTTPConnection(via, timeout=timeout_s)
+                conn.via_proxy = True
+        else:
+            conn = cls(parts.netloc, timeout=timeout_s)
+        _connections.by_server[key] = conn
+    conn.timeout = timeout_s
+    if conn.sock is not None:
+        conn.sock.settimeout(timeout_s)
+    return conn
+
+
+def _drop(parts: urllib.parse.SplitResult) -> None:
+    conn = _connections.by_server.pop((parts.scheme, parts.netloc), None)
+    if conn is not None:
+        conn.close()
+
+
+def _send(parts: urllib.parse.SplitResult, data: bytes, headers: dict, timeout_s: float) -> http.client.HTTPResponse:
+    """One POST on this thread's connection to the server, its body read. A kept-alive connection
+    that the server closed while idle is reopened once (that is not a failed attempt)."""
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    for reopened in (False, True):
+        conn = _connection(parts, timeout_s)
+        reused = conn.sock is not None
+        if getattr(conn, "via_proxy", False):
+            path = urllib.parse.urlunsplit(parts)
+        try:
+            conn.request("POST", path, body=data, headers=headers)
+            resp = conn.getresponse()
+            resp.body = resp.read()
+            return resp
+        except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
+            _drop(parts)
+            if not reused or reopened:
+                raise
+        except BaseException:
+            _drop(parts)  # a timed-out or half-read connection is not reused
+            raise
+
+
+def _retry_after(resp: http.client.HTTPResponse) -> float | None:
+    try:
+        return max(0.0, float(resp.headers.get("Retry-After", "")))
+    except ValueError:
+        return None
+
+
+def _post(url: str, data: bytes, headers: dict, timeout_s: float, retries: int, backoff_s: float,
+          max_concurrency: int = 8) -> bytes:
+    """POST with retries. At most `max_concurrency` requests to `url` at once from this process
+    (the others wait; a request backing off gives its place up while it sleeps)."""
+    parts = urllib.parse.urlsplit(url)
     hdrs = {"Content-Type": "application/json", "Accept": "application/json", **{str(k): str(v) for k, v in headers.items()}}
-    last = ""
+    last, wait = "", None
     for attempt in range(retries + 1):
         if attempt:
-            time.sleep(backoff_s * 2 ** (attempt - 1))
-        req = urllib.request.Request(url, data=data, headers=hdrs, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.read()
-        except urllib.error.HTTPError as e:
-            detail = e.read(200).decode("utf-8", "replace").strip().replace("\n", " ")
-            last = f"HTTP {e.code} {e.reason}" + (f": {detail}" if detail else "")
-            if e.code < 500 and e.code != 429:
-                raise RemoteRewardError(f"{url}: {last}") from None
-        except (socket.timeout, TimeoutError) as e:
-            last = f"timed out after {timeout_s:g}s ({type(e).__name__})"
-        except urllib.error.URLError as e:
-            reason = e.reason
-            if isinstance(reason, (socket.timeout, TimeoutError)):
-                last = f"timed out after {timeout_s:g}s"
-            else:
-                last = f"{type(reason).__name__}: {reason}"
-        except (OSError, http.client.HTTPException) as e:  # reset mid-response, remote closed, ...
-            last = f"{type(e).__name__}: {e}"
+            time.sleep(wait if wait is not None else backoff_s * 2 ** (attempt - 1))
+        wait = None
+        with _limit(url, max_concurrency):
+            try:
+                resp = _send(parts, data, hdrs, timeout_s)
+            except (socket.timeout, TimeoutError) as e:
+                last = f"timed out after {timeout_s:g}s ({type(e).__name__})"
+                continue
+            except (OSError, http.client.HTTPException) as e:  # refused, reset mid-response, remote closed, ...
+                last = f"{type(e).__name__}: {e}"
+                continue
+        if 200 <= resp.status < 300:
+            return resp.body
+        detail = resp.body[:200].decode("utf-8", "replace").strip().replace("\n", " ")
+        last = f"HTTP {resp.status} {resp.reason}" + (f": {detail}" if detail else "")
+        if resp.status < 500 and resp.status != 429:
+            raise RemoteRewardError(f"{url}: {last}") from None
+        if resp.status == 429:
+            wait = _retry_after(resp)  # the server's own back-off, when it gives one
     raise RemoteRewardError(f"{url}: failed after {retries + 1} attempt(s): {last}")
 
 
@@ -145,6 +232,7 @@ def remote_reward(
     headers: Optional[dict] = None,
     name: str = "remote",
     env: str = ENV_REMOTE,
+    max_concurrency: int = 8,
 ) -> dict:
     """POST the batch (images [n, H, W, 3] or videos [n, F, H, W, 3]) to `url`; returns
     {"score": [n], "<name>/<component>": [n], ...}, one value per image or video."""
@@ -153,50 +241,54 @@ def remote_reward(
         raise RemoteRewardError(f"{name}: no URL given: set reward.options.{name}.url or ${env}")
     if not str(url).startswith(("http://", "https://")):
         raise RemoteRewardError(f"{name}: url must start with http:// or https://, got '{url}'")
-    if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0:
-        raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0")
+    if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0 or int(max_concurrency) < 1:
+        raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1")
     n, kind = images.shape[0], _kind(images)
     if len(prompts) != n or len(metadata) != n:
         raise ValueError(f"{name}: {len(prompts)} prompts / {len(metadata)} metadata for {n} {kind}")
     if n == 0:
         return {"score": torch.zeros(0)}
-    raw = _post(str(url), _payload(images, prompts, metadata), dict(headers or {}), float(timeout_s), int(retries), float(backoff_s))
+    raw = _post(str(url), _payload(images, prompts, metadata), dict(headers or {}), float(timeout_s), int(retries),
+                float(backoff_s), int(max_concurrency))
     return _parse(str(url), raw, n, name, kind)
 
 
 def remote(
-    images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None, name="remote"
+    images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None, name="remote",
+    max_concurrency=8,
 ) -> dict:
     """Generic HTTP reward: url from the option or $ASYNC_FLOWGRPO_REMOTE_URL; components "<name>/<key>"."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name=name, env=ENV_REMOTE,
+        headers=headers, name=name, env=ENV_REMOTE, max_concurrency=max_concurrency,
     )
 
 
-def ocr(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None) -> dict:
+def ocr(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
+        max_concurrency=8) -> dict:
     """An OCR reward server: url from the option or $ASYNC_FLOWGRPO_OCR_URL."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name="ocr", env=ENV_OCR,
+        headers=headers, name="ocr", env=ENV_OCR, max_concurrency=max_concurrency,
     )
 
 
-def geneval(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None) -> dict:
+def geneval(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
+        max_concurrency=8) -> dict:
     """A GenEval reward server: url from the option or $ASYNC_FLOWGRPO_GENEVAL_URL."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name="geneval", env=ENV_GENEVAL,
+        headers=headers, name="geneval", env=ENV_GENEVAL, max_concurrency=max_concurrency,
     )
 
 
 def remote_video(videos, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
-                 name="remote_video") -> dict:
+                 name="remote_video", max_concurrency=8) -> dict:
     """A video reward server: each video's frames in the request, one score per video back; url
     from the option or $ASYNC_FLOWGRPO_REMOTE_VIDEO_URL."""
     if videos.dim() != 5:
         raise ValueError(f"{name}: takes videos [n, F, H, W, 3], got {list(videos.shape)}")
     return remote_reward(
         videos, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name=name, env=ENV_REMOTE_VIDEO,
+        headers=headers, name=name, env=ENV_REMOTE_VIDEO, max_concurrency=max_concurrency,
     )

@@ -1,5 +1,12 @@
 """Rollout worker: engine + reward + prompt tickets (a plain class; `actors.rollout.RolloutActor` is
-its Ray shell). The worker never blocks on weight sync: received weights are *staged* by the actor's
+its Ray shell).
+
+A generated group goes to a `Scorer`: with reward.overlap it is scored on another thread while the
+next group generates (at most reward.max_pending wait for a score) and delivered once scored, its
+ticket, prompt, seed and weight versions unchanged (so its staleness counts from the version that
+generated it). reward.overlap=false scores each group before the next starts.
+
+The worker never blocks on weight sync: received weights are *staged* by the actor's
 sync thread and the engine swaps them in at a safe point — before a denoising step
 (`between_steps`, the in-flight update: steps after the switch carry the new version) or before a
 group (`between_groups`). Nothing is aborted or regenerated.
@@ -12,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+from concurrent.futures import Future
 from typing import Any, Callable
 
 import torch
@@ -22,7 +29,8 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.prompts import PromptStream, load_prompts
 from async_flowgrpo.rewards import CombinedReward, RewardError
-from async_flowgrpo.rollout.stream import stream_groups
+from async_flowgrpo.rollout.scoring import Scorer
+from async_flowgrpo.rollout.stream import chain, stream_groups
 from async_flowgrpo.sampling import rollout_sampling
 from async_flowgrpo.types import Group, GroupRecord
 
@@ -51,63 +59,71 @@ class RolloutWorker:
         self.consecutive_reward_failures = 0
         self.last_reward_error = ""
         self.inflight_updates = 0  # groups whose steps carry two or more weight versions
-        self.busy = BusyTracker()  # perf/rollout_idle_frac
+        self.busy = BusyTracker()  # perf/rollout_idle_frac: generating, or waiting for a reward
+        self.scorer = Scorer(overlap=cfg.reward.overlap, max_pending=cfg.reward.max_pending)
+        self._counters = threading.Lock()  # the counters above: scoring threads update them
 
     def stage_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """Called from the sync thread; the engine swaps them in at its next safe point."""
         self.engine.stage_weights(state, version)
 
-    # -- generation --------------------------------------------------------------------------
-    def generate_group(self, ticket: int) -> Group | None:
-        """Generate and score the group for `ticket`; None when its reward failed (counted)."""
-        with self.busy.busy():
-            return self._generate_group(ticket)
-
-    def _generate_group(self, ticket: int) -> Group | None:
+    # -- generation ----------------------------------------------------------------------------
+    def start_group(self, ticket: int) -> Future:
+        """Generate the group for `ticket` and hand it to scoring; the future gives the scored group,
+        or None when its reward failed (counted). With reward.overlap it returns once the group is
+        handed off (at most reward.max_pending wait for a score), else once it is scored."""
         prompt = self.prompts.prompt_at(ticket)
-        start = time.perf_counter()
-        group = self.engine.generate(
-            [prompt.text],
-            self.cfg.rollout.group_size,
-            group_seed(self.cfg.rollout.seed, ticket),
-            prompt_indices=[ticket],
-            metadata=[prompt.metadata],
-            **self.sampling,
-        )[0]
-        group.worker_id = self.worker_id
-        if group.versions.numel() and group.versions.min() != group.versions.max():
-            self.inflight_updates += 1
+        with self.busy.busy():
+            group = self.engine.generate(
+                [prompt.text],
+                self.cfg.rollout.group_size,
+                group_seed(self.cfg.rollout.seed, ticket),
+                prompt_indices=[ticket],
+                metadata=[prompt.metadata],
+                **self.sampling,
+            )[0]
+            group.worker_id = self.worker_id
+            if group.versions.numel() and group.versions.min() != group.versions.max():
+                self.inflight_updates += 1
+            return self.scorer.submit(lambda: self._score(group, prompt))
+
+    def _score(self, group: Group, prompt) -> Group | None:
+        """On a scoring thread (the caller's on the blocking path): the reward, its counters, and the
+        stop after reward.max_consecutive_failures (raised to whoever takes the group)."""
+        n = group.size
         try:
-            n = group.size
             group.rewards, group.reward_components = self.reward(group.images, [prompt.text] * n, [prompt.metadata] * n)
-            self.consecutive_reward_failures = 0
         except RewardError as e:
-            self.reward_errors += 1
-            self.consecutive_reward_failures += 1
-            self.last_reward_error = str(e)
-            logger.warning("worker %d: skipping group %d: %s", self.worker_id, ticket, e)
-            group = None
-        if group is not None:
-            group.time_generate_s = time.perf_counter() - start
+            logger.warning("worker %d: skipping group %d: %s", self.worker_id, group.prompt_index, e)
+            with self._counters:
+                self.reward_errors += 1
+                self.consecutive_reward_failures += 1
+                self.last_reward_error = str(e)
+                if self.consecutive_reward_failures >= self.cfg.reward.max_consecutive_failures:
+                    raise RuntimeError(
+                        f"rollout worker {self.worker_id}: {self.consecutive_reward_failures} consecutive reward "
+                        f"failures (reward.max_consecutive_failures); last: {self.last_reward_error}"
+                    ) from None
+            return None
+        with self._counters:
+            self.consecutive_reward_failures = 0
             self.groups_generated += 1
-        if self.consecutive_reward_failures >= self.cfg.reward.max_consecutive_failures:
-            raise RuntimeError(
-                f"rollout worker {self.worker_id}: {self.consecutive_reward_failures} consecutive reward failures "
-                f"(reward.max_consecutive_failures); last: {self.last_reward_error}"
-            )
         return group
 
     def generate(self, tickets: list[int]) -> list[Group | None]:
-        """Batch modes (sync, one_step_off): the driver hands out the tickets."""
-        return [self.generate_group(t) for t in tickets]
+        """Batch modes (sync, one_step_off): the driver hands out the tickets. Group k is scored
+        while group k + 1 generates; the batch returns once every group is scored, in ticket order."""
+        with self.busy.busy():
+            futures = [self.start_group(t) for t in tickets]
+            return [self.scorer.result(f) for f in futures]
 
     def run(self, queue, store: Callable[[Group], GroupRecord], poll_s: float) -> dict:
-        """fully_async: stream groups into the queue actor (`stream_groups`). `store` puts a group
-        where trainers can fetch it and returns its record: only the record goes through the queue."""
+        """fully_async: stream groups into the queue actor (`stream_groups`), each once it is
+        scored. `store` puts a group where trainers can fetch it and returns its record: only the
+        record goes through the queue."""
 
-        def make_record(ticket: int) -> GroupRecord | None:
-            group = self.generate_group(ticket)
-            return None if group is None else store(group)
+        def make_record(ticket: int) -> Future:
+            return chain(self.start_group(ticket), lambda group: None if group is None else store(group))
 
         stream_groups(queue, self.worker_id, make_record, self._stop, poll_s)
         return self.stats()
@@ -123,5 +139,6 @@ class RolloutWorker:
             "rollout/inflight_updates": self.inflight_updates,
             "rollout/version": self.engine.version,
             "perf/rollout_idle_frac": self.busy.idle_frac(),
+            **self.scorer.stats(),
         }
 
