@@ -46,6 +46,9 @@ decode, optimizer step and the rest, and ours' top functions by own time.
     # the trainer step of the embedded default (config/base.yaml), each algorithm
     python benchmarks/phases.py --phases train --window 4 --micro-batch 64 --no-uncond-grad --beta 0.04
     python benchmarks/phases.py --phases train --algorithm diffusion_nft --cfg 1 --micro-batch 64
+    # against the trainer of an earlier commit, interleaved in one process (contender "baseline")
+    git worktree add /tmp/before <commit>
+    python benchmarks/phases.py --phases train ... --baseline /tmp/before --baseline-micro-batch 16
 
 Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
 CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 rows (36 forward+backward
@@ -106,7 +109,7 @@ REAL_SIZE_WORK = dict(prompts=2, group_size=8, window=4, rounds=3)
 
 
 # ------------------------------------------------------------------------------------------ stats
-CONTENDERS = ("ours", "plain", "flow_grpo")
+CONTENDERS = ("ours", "plain", "flow_grpo", "baseline")
 
 
 def summarize(times: list[float]) -> dict:
@@ -132,8 +135,9 @@ def phase_entry(times: dict[str, list[float]]) -> dict:
     """Each contender's statistics, ours/plain, and ours/flow_grpo when it ran."""
     entry = {name: summarize(t) for name, t in times.items()}
     entry.update(compare(times["ours"], times["plain"]))
-    if "flow_grpo" in times:
-        entry["vs_flow_grpo"] = compare(times["ours"], times["flow_grpo"])
+    for other in ("flow_grpo", "baseline"):
+        if other in times:
+            entry[f"vs_{other}"] = compare(times["ours"], times[other])
     return entry
 
 
@@ -320,6 +324,8 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
         learner.train_step(groups, version=0)
 
     contenders = {"ours": ours, "plain": bare}
+    if args.baseline:
+        contenders["baseline"] = baseline_train(args, policy, groups)
     if flow_grpo is not None:
         contenders["flow_grpo"] = flow_grpo_train(flow_grpo, policy, args, lat, (emb, pooled, nemb, npooled), params, groups)
     return contenders, len(groups) * n, -(-n_rows // mb)
@@ -374,7 +380,33 @@ def nft_train_contenders(policy, prompts, args):
     def ours(r):
         learner.train_step(groups, version=0)
 
-    return {"ours": ours, "plain": bare}, len(groups) * args.group_size, -(-n_points // mb)
+    contenders = {"ours": ours, "plain": bare}
+    if args.baseline:
+        contenders["baseline"] = baseline_train(args, policy, groups)
+    return contenders, len(groups) * args.group_size, -(-n_points // mb)
+
+
+def baseline_train(args, policy, groups):
+    """--baseline DIR: the train step of the learner module of another checkout of this project
+    (a `git worktree` of an earlier commit), on the same policy and groups, interleaved with ours
+    in this process. Only that one file comes from DIR; what it imports (policy, adapters, algo)
+    is this checkout's."""
+    import importlib.util
+
+    name = "nft_learner" if args.algorithm == "diffusion_nft" else "learner"
+    path = os.path.join(args.baseline, "async_flowgrpo", name + ".py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--baseline: {args.baseline} has no async_flowgrpo/{name}.py")
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    micro = args.baseline_micro_batch or args.micro_batch
+    if args.algorithm == "diffusion_nft":
+        learner = module.NFTLearner(policy, micro_batch_size=micro, beta=args.beta)
+    else:
+        learner = module.Learner(policy, micro_batch_size=micro, uncond_grad=not args.no_uncond_grad, beta=args.beta)
+    return lambda r: learner.train_step(groups, version=0)
 
 
 # -- the original Flow-GRPO code, from a local checkout (--flow-grpo) ------------------------------
@@ -482,6 +514,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--flow-grpo", default=None, metavar="DIR",
                     help="also time the original Flow-GRPO code from this checkout of github.com/yifan123/flow_grpo")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also time the trainer step of DIR's learner module (a checkout of an earlier commit): before/after in one process")
+    ap.add_argument("--baseline-micro-batch", type=int, default=None,
+                    help="the baseline learner's micro_batch_size (default --micro-batch; before the row replay it counted samples)")
     ap.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/phases/<name>.json)")
     ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: pool the rounds of earlier runs (same settings) into one table")
@@ -500,6 +536,8 @@ def main(argv=None) -> dict:
     phases = [p for p in args.phases.split(",") if p]
     if set(phases) - {"rollout", "train"}:
         ap.error("--phases: rollout and/or train")
+    if args.baseline and phases != ["train"]:
+        ap.error("--baseline: --phases train only")
     if args.algorithm == "diffusion_nft" and (phases != ["train"] or args.flow_grpo):
         ap.error("--algorithm diffusion_nft: --phases train only, without --flow-grpo")
 
@@ -570,7 +608,7 @@ def add_sequential_step(result: dict) -> None:
     step = {}
     for clock in ("wall", "cpu"):
         roll, train = (phases[p] if clock == "wall" else phases[p]["cpu"] for p in ("rollout", "train"))
-        for name in [n for n in CONTENDERS if n in roll and n in train and n != "plain"]:
+        for name in [n for n in CONTENDERS if n in roll and n in train and n not in ("plain", "baseline")]:
             sums = [a + b for a, b in zip(roll[name]["times_s"], train[name]["times_s"])]
             step.setdefault(name, {})[clock] = {**summarize(sums), "samples_per_s": result["samples"] / statistics.median(sums)}
     result["sequential_step"] = step
@@ -630,7 +668,7 @@ def report(result: dict) -> str:
         for clock, d in (("wall", e), ("cpu", e["cpu"])):
             for name in [n for n in CONTENDERS if n in d]:
                 s = d[name]
-                c = d if name == "plain" else d.get("vs_flow_grpo") if name == "flow_grpo" else None
+                c = d if name == "plain" else d.get(f"vs_{name}")
                 ratio = f"{c['ratio_of_medians']:.3f} | {c['median_paired_ratio']:.3f}" if c else ""
                 w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
                   f"{s['iqr_s']:7.3f}   {ratio}\n")

@@ -254,3 +254,19 @@ def test_phases_benchmark_times_the_diffusion_nft_step(phases, tiny_model_dir):
     assert len(train["ours"]["times_s"]) == len(train["plain"]["times_s"]) == 1
     with pytest.raises(SystemExit):
         phases.main(["--model", tiny_model_dir, "--algorithm", "diffusion_nft"])  # the rollout phase is Flow-GRPO's
+
+
+def test_phases_benchmark_times_a_baseline_checkouts_learner(phases, tiny_model_dir, tmp_path):
+    """--baseline DIR: the learner module of another checkout (here this one) as a third contender."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for algorithm, cfg in (("flow_grpo", "4.5"), ("diffusion_nft", "1")):
+        result = phases.main(["--model", tiny_model_dir, "--phases", "train", "--algorithm", algorithm, "--cfg", cfg,
+                              "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4",
+                              "--micro-batch", "8", "--baseline", root, "--baseline-micro-batch", "2",
+                              "--rounds", "1", "--warmup", "0", "--no-profile"])
+        train = result["phases"]["train"]
+        assert len(train["baseline"]["times_s"]) == 1 and train["vs_baseline"]["ratio_of_medians"] > 0
+    with pytest.raises(SystemExit, match="no async_flowgrpo/learner.py"):
+        phases.main(["--model", tiny_model_dir, "--phases", "train", "--baseline", str(tmp_path)])
