@@ -139,8 +139,9 @@ class Learner:
     # ------------------------------------------------------------------ data
 
     def _rows(self, groups: list[Group], version: int) -> _Rows:
-        """Every recorded step of every sample as one row, sample-major. One copy of the latents
-        here instead of a stack per call; the conditioning goes to the device once per group."""
+        """Every recorded step of every sample as one row, sample-major. The latents are copied
+        once here (as x and x_next), a call slices them; the conditioning goes to the device once
+        per group and a call gathers its rows' from there."""
         parts: dict[str, list[Tensor]] = {k: [] for k in ("x", "x_next", "sigma", "sigma_next", "behav", "adv", "fresh", "group")}
         starts = [0]
         for gi, g in enumerate(groups):
