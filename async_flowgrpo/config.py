@@ -103,6 +103,9 @@ class TrainerConfig:
     lr_min_ratio: float = 0.0
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
+    # rows per transformer call in the trainer (what bounds its activation memory): (sample, step) pairs
+    # of the SDE window for flow_grpo, (sample, noise level) points for diffusion_nft; a call mixes
+    # samples and steps, each row at its own sigma
     micro_batch_size: int = 8
     mini_batches: int = 1  # optimizer steps per batch
     fsdp: bool = False  # shard the transformer over the trainers (torch fully_shard); else replicate (DDP-style)

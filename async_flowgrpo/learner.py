@@ -1,10 +1,13 @@
 """Learner: one FlowGRPO update from a batch of groups (plain class; Ray actors wrap it).
 
 Per call of `train_step`: the samples are split into `mini_batches` contiguous chunks, one
-optimizer step each; within a chunk, micro-batches of samples and, for each, every recorded step
-are scored by `policy.recompute` and backpropagated at once (gradient accumulation). Each step's
-loss is scaled by (its samples) / (recorded steps in the chunk), so the accumulated gradient is
-that of the mean over (sample, step) pairs, whatever the micro-batch size.
+optimizer step each. The unit of the replay is the (sample, step) pair: a chunk's recorded steps
+are rows, sample-major, and `micro_batch_size` consecutive rows go through the transformer in one
+call, each at its own step's sigma with its own prompt's conditioning, scored by
+`policy.recompute` and backpropagated at once (gradient accumulation over the calls). Each call's
+loss is scaled by (its rows) / (rows in the chunk), so the accumulated gradient is that of the
+mean over (sample, step) pairs, whatever the micro-batch size. The calls stop at the chunk's half
+(in samples), where the gradient so far is the first half's (grad/half_cos).
 
 Data parallelism: `grad_all_reduce(params)` is called once per optimizer step, after
 accumulation and before clipping, with the trainable parameters, every one of which has a .grad
@@ -46,21 +49,23 @@ def grad_cosine(a: list[Tensor], b: list[Tensor]) -> float:
 
 
 @dataclass
-class _Sample:
-    latents: Tensor  # [W + 1, C, H, W]
-    sigmas: Tensor  # [W + 1]
-    behav: Tensor  # [W] behaviour log-probs
-    versions: Tensor  # [W]
-    advantage: Tensor  # 0-dim
-    cond: tuple[Tensor, Tensor, Tensor | None, Tensor | None]  # embeds, pooled, negatives
+class _Rows:
+    """A batch's trained (sample, step j) pairs, sample-major (a sample's window steps are
+    consecutive rows), as flat tensors on the CPU; a contiguous range of rows is one call's input."""
 
-    @property
-    def num_steps(self) -> int:
-        return self.behav.shape[0]
+    x: Tensor  # [P, C, H, W] latent at step j
+    x_next: Tensor  # [P, C, H, W] latent at step j + 1 (what the step is scored against)
+    sigma: Tensor  # [P] s_j
+    sigma_next: Tensor  # [P] s_{j+1}
+    behav: Tensor  # [P] behaviour log-prob
+    advantage: Tensor  # [P] the row's sample's advantage
+    fresh: Tensor  # [P] bool: the row's sample has every step at the trained version
+    group: Tensor  # [P] long, on the device: the row's group (an index into cond)
+    cond: list[Tensor | None]  # per group [G, ...] on the device: embeds, pooled, negatives
+    starts: list[int]  # row offset of each sample, then P
 
-
-def _stack(tensors: list[Tensor | None]) -> Tensor | None:
-    return None if tensors[0] is None else torch.stack(tensors)
+    def __len__(self) -> int:
+        return self.starts[-1]
 
 
 def _cpu_copy(obj):
@@ -125,7 +130,6 @@ class Learner:
         self.base_lr = lr
         self.lr_schedule = lr_schedule or (lambda step: 1.0)
         self.steps = 0  # train_step calls: the lr schedule's clock
-        self._cond_cache: tuple[tuple[int, ...], list[Tensor | None]] | None = None
         self._sharded = any(isinstance(p, DTensor) for p in self.params)
 
     def sampling_state(self) -> dict[str, Tensor]:
@@ -134,16 +138,32 @@ class Learner:
 
     # ------------------------------------------------------------------ data
 
-    @staticmethod
-    def _samples(groups: list[Group]) -> list[_Sample]:
-        samples = []
-        for g in groups:
+    def _rows(self, groups: list[Group], version: int) -> _Rows:
+        """Every recorded step of every sample as one row, sample-major. The latents are copied
+        once here (as x and x_next), a call slices them; the conditioning goes to the device once
+        per group and a call gathers its rows' from there."""
+        parts: dict[str, list[Tensor]] = {k: [] for k in ("x", "x_next", "sigma", "sigma_next", "behav", "adv", "fresh", "group")}
+        starts = [0]
+        for gi, g in enumerate(groups):
             if g.advantages is None:
                 raise ValueError(f"group of prompt {g.prompt_index} has no advantages: set them on arrival")
-            cond = (g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds)
-            for k in range(g.size):
-                samples.append(_Sample(g.latents[k], g.sigmas, g.log_probs[k], g.versions, g.advantages[k], cond))
-        return samples
+            n, w = g.size, g.log_probs.shape[1]
+            parts["x"].append(g.latents[:, :-1].flatten(0, 1))
+            parts["x_next"].append(g.latents[:, 1:].flatten(0, 1))
+            parts["sigma"].append(g.sigmas[:-1].repeat(n))
+            parts["sigma_next"].append(g.sigmas[1:].repeat(n))
+            parts["behav"].append(g.log_probs.flatten())
+            parts["adv"].append(g.advantages.repeat_interleave(w))
+            parts["fresh"].append(torch.full((n * w,), bool((g.versions == version).all())))
+            parts["group"].append(torch.full((n * w,), gi))
+            starts += [starts[-1] + w * (k + 1) for k in range(n)]
+        dev = self.policy.device
+        conds = [[g.prompt_embeds, g.pooled_prompt_embeds, g.negative_prompt_embeds, g.negative_pooled_prompt_embeds]
+                 for g in groups]
+        cond = [None if conds[0][c] is None else torch.stack([gc[c] for gc in conds]).to(dev) for c in range(4)]
+        cat = {k: torch.cat(v) for k, v in parts.items()}
+        return _Rows(cat["x"], cat["x_next"], cat["sigma"], cat["sigma_next"], cat["behav"], cat["adv"],
+                     cat["fresh"], cat["group"].to(dev), cond, starts)
 
     @staticmethod
     def _sampling(groups: list[Group]) -> tuple[float, float, str]:
@@ -153,40 +173,21 @@ class Learner:
             raise ValueError(f"groups in one train_step must share guidance_scale, noise_level, sde_type; got {keys}")
         return keys.pop()
 
-    def _micro_steps(self, samples: list[_Sample], indices: list[int]):
-        """(sample indices, step j) for each forward: micro-batches of samples, then their steps."""
-        for m in range(0, len(indices), self.micro_batch_size):
-            micro = indices[m : m + self.micro_batch_size]
-            for j in range(max(samples[i].num_steps for i in micro)):
-                yield [i for i in micro if samples[i].num_steps > j], j
+    def _calls(self, lo: int, hi: int) -> list[slice]:
+        """Rows [lo, hi) as the row ranges of successive transformer calls, micro_batch_size each."""
+        return [slice(a, min(a + self.micro_batch_size, hi)) for a in range(lo, hi, self.micro_batch_size)]
 
-    def _cond(self, samples: list[_Sample], sel: list[int]) -> list[Tensor | None]:
-        """The micro-batch's conditioning, stacked and on the device once for all its steps (the
-        same for every step j while `sel` stays the same; one entry, cleared after train_step)."""
-        key = tuple(sel)
-        if self._cond_cache is None or self._cond_cache[0] != key:
-            dev = self.policy.device
-            cond = [_stack([samples[i].cond[c] for i in sel]) for c in range(4)]
-            self._cond_cache = (key, [None if t is None else t.to(dev) for t in cond])
-        return self._cond_cache[1]
-
-    def _forward(self, samples: list[_Sample], sel: list[int], j: int, sampling, with_ref: bool):
+    def _forward(self, rows: _Rows, sel: slice, sampling, with_ref: bool) -> tuple[Tensor, Tensor | None]:
+        """Log-probs (and the KL to the reference) of rows `sel`: one transformer call for all of
+        them, each row at its own step's sigma with its own group's conditioning."""
         guidance_scale, noise_level, sde_type = sampling
-        batch = [samples[i] for i in sel]
-        sigma = torch.stack([s.sigmas[j] for s in batch])
-        sigma_next = torch.stack([s.sigmas[j + 1] for s in batch])
-        cond = self._cond(samples, sel)
+        group = rows.group[sel]
+        cond = [None if c is None else c[group] for c in rows.cond]
+        sigma, sigma_next = rows.sigma[sel], rows.sigma_next[sel]
         log_prob, mean, std, ref_mean = self.policy.recompute(
-            torch.stack([s.latents[j] for s in batch]),
-            torch.stack([s.latents[j + 1] for s in batch]),
-            sigma,
-            sigma_next,
-            *cond,
-            guidance_scale=guidance_scale,
-            noise_level=noise_level,
-            sde_type=sde_type,
-            with_ref=with_ref,
-            uncond_grad=self.uncond_grad,
+            rows.x[sel], rows.x_next[sel], sigma, sigma_next, *cond,
+            guidance_scale=guidance_scale, noise_level=noise_level, sde_type=sde_type,
+            with_ref=with_ref, uncond_grad=self.uncond_grad,
         )
         kl = None
         if with_ref:
@@ -198,77 +199,80 @@ class Learner:
     def train_step(self, groups: list[Group], version: int) -> dict[str, float]:
         lr = self.base_lr * self.lr_schedule(self.steps)
         set_lr(self.optimizer, lr)
-        try:
-            metrics = self._train_step(groups, version)
-        finally:
-            self._cond_cache = None  # do not keep a batch's embeddings alive between updates
+        metrics = self._train_step(groups, version)
         self.steps += 1
         metrics["train/lr"] = lr
         return metrics
 
     def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        samples = self._samples(groups)
+        rows = self._rows(groups, version)
         sampling = self._sampling(groups)
-        if len(samples) < self.mini_batches:
-            raise ValueError(f"{len(samples)} samples cannot fill {self.mini_batches} mini-batches")
-        minis = [c.tolist() for c in torch.arange(len(samples)).tensor_split(self.mini_batches)]
+        n_samples = len(rows.starts) - 1
+        if n_samples < self.mini_batches:
+            raise ValueError(f"{n_samples} samples cannot fill {self.mini_batches} mini-batches")
+        # a mini-batch: a contiguous range of samples, so of rows
+        minis = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_samples).tensor_split(self.mini_batches)]
         dev = self.policy.device
-        fresh_sample = [bool((s.versions == version).all()) for s in samples]  # every step at `version`
-        elements = samples[0].latents[0].numel()  # D: the recorded log-probs are means over a latent's entries
+        elements = rows.x[0].numel()  # D: the recorded log-probs are means over a latent's entries
         is_kw = dict(correction=self.is_correction, elements=elements)
 
-        # log-probs under the weights at the start of the update, per (sample, step)
-        start_logp: dict[tuple[int, int], Tensor] = {}
+        # log-probs under the weights at the start of the update, per row
+        start_logp = None
         if self.prox_mode == "recompute" and self.mini_batches > 1:
+            start_logp = torch.empty(len(rows), device=dev)
             with torch.no_grad():
-                for mini in minis:
-                    for sel, j in self._micro_steps(samples, mini):
-                        log_prob, _ = self._forward(samples, sel, j, sampling, with_ref=False)
-                        start_logp.update({(i, j): lp for i, lp in zip(sel, log_prob)})
+                for sel in self._calls(0, len(rows)):
+                    start_logp[sel] = self._forward(rows, sel, sampling, with_ref=False)[0]
 
         ratios, weights, log_ws, fresh_diffs = [], [], [], []
         pg_sum = kl_sum = torch.zeros((), device=dev)
         grad_norms, pairs_trained, samples_trained, skipped = [], 0, 0, 0
         half_cos = []
-        for mi, mini in enumerate(minis):
-            n_pairs = sum(samples[i].num_steps for i in mini)
+        for mi, (s0, s1) in enumerate(minis):
+            lo, hi = rows.starts[s0], rows.starts[s1]
+            n_pairs = hi - lo
             if n_pairs == 0:
                 raise ValueError("no recorded steps to train on (window_size 0 groups are for evaluation)")
+            # the calls of the first half of the samples, then of the second: the gradient at the
+            # boundary is the first half's (grad/half_cos; sharded, each rank holds a slice of
+            # every gradient, so no cosine of whole ones)
+            half = rows.starts[s0 + (s1 - s0) // 2]
+            split = lo < half < hi and not self._sharded
+            calls = self._calls(lo, half) + self._calls(half, hi) if split else self._calls(lo, hi)
             mb_pg = mb_kl = torch.zeros((), device=dev)
             mb_ratios, mb_weights, mb_log_w = [], [], []
-            first_half, seen = None, set()
-            for sel, j in self._micro_steps(samples, mini):
-                # (sharded: each rank holds a slice of every gradient, so no cosine of whole ones)
-                if first_half is None and j == 0 and 2 * len(seen) >= len(mini) and not self._sharded:
+            first_half = None
+            for sel in calls:
+                if split and sel.start == half:
                     first_half = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
-                seen.update(sel)
-                log_prob, kl = self._forward(samples, sel, j, sampling, with_ref=self.beta > 0)
-                behav = torch.stack([samples[i].behav[j] for i in sel]).to(dev)
-                adv = torch.stack([samples[i].advantage for i in sel]).to(dev)
+                log_prob, kl = self._forward(rows, sel, sampling, with_ref=self.beta > 0)
+                behav = rows.behav[sel].to(dev)
+                adv = rows.advantage[sel].to(dev)
                 if self.prox_mode == "bypass":
                     prox = behav
-                elif self.mini_batches == 1:
+                elif start_logp is None:
                     prox = log_prob.detach()  # the current forward is the start-of-update policy
                 else:
-                    prox = torch.stack([start_logp[(i, j)] for i in sel])
+                    prox = start_logp[sel]
                 pg, _ = algo.policy_loss(
                     log_prob, prox, behav, adv, clip_range=self.clip_range, adv_clip=self.adv_clip, is_cap=self.is_cap,
                     is_correction=self.is_correction, is_mode=self.is_mode, elements=elements,
                 )
+                n_rows = sel.stop - sel.start
                 loss = pg if kl is None else pg + self.beta * kl.mean()
-                (loss * (len(sel) / n_pairs)).backward()
+                (loss * (n_rows / n_pairs)).backward()  # the gradient of the mean over the mini-batch's pairs
 
-                mb_pg = mb_pg + pg.detach() * len(sel)
+                mb_pg = mb_pg + pg.detach() * n_rows
                 if kl is not None:
                     mb_kl = mb_kl + self.beta * kl.detach().sum()
                 mb_ratios.append(torch.exp(log_prob.detach() - prox))
                 mb_weights.append(algo.importance_weights(prox, behav, self.is_cap, mode=self.is_mode, **is_kw))
                 mb_log_w.append(algo.log_importance_weights(prox, behav, **is_kw))
                 at_start = prox if self.prox_mode == "recompute" else (log_prob.detach() if mi == 0 else None)
-                fresh = [k for k, i in enumerate(sel) if fresh_sample[i]]
-                if at_start is not None and fresh:
-                    fresh_diffs.append((at_start[fresh] - behav[fresh]).abs().max())
+                fresh = rows.fresh[sel]
+                if at_start is not None and bool(fresh.any()):  # a CPU tensor: no device sync
+                    fresh_diffs.append((at_start - behav).abs()[fresh.to(dev)].max())
 
             for p in self.params:
                 if p.grad is None:  # unused this mini-batch (or the first backward left none)
@@ -286,7 +290,7 @@ class Learner:
                 grad_norms.append(grad_norm)
                 pg_sum, kl_sum = pg_sum + mb_pg, kl_sum + mb_kl
                 pairs_trained += n_pairs
-                samples_trained += len(mini)
+                samples_trained += s1 - s0
                 ratios += mb_ratios
                 weights += mb_weights
                 log_ws += mb_log_w

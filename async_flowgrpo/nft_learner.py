@@ -25,6 +25,8 @@ current old copy, the public code's choice, and is counted in nft/old_missing_fr
 
 Cost: one no-grad forward per trained point for v_old (weights swapped once per distinct version
 in the batch, cheap for LoRA) besides the training forward; no CFG batch (CFG-free training).
+Points are rows, sample-major: `micro_batch_size` of them go through the transformer in one call,
+each at its own noise level and with its own prompt's conditioning.
 """
 
 from __future__ import annotations
@@ -44,17 +46,22 @@ from async_flowgrpo.types import Group
 
 
 @dataclass
-class _Point:
-    """One training point: a sample noised to one level of its sampler's schedule."""
+class _Points:
+    """The batch's training points (a sample noised to one level of its sampler's schedule),
+    sample-major, as flat tensors on the CPU; the prompt conditioning once per group, on the device."""
 
-    sample: int  # index of the sample in the batch
-    x0: Tensor  # [C, H, W] final latent
-    x_t: Tensor  # (1 - sigma) x0 + sigma eps
-    sigma: Tensor  # 0-dim
-    r: Tensor  # 0-dim optimality probability
-    version: int  # weights that generated the sample
-    embeds: Tensor
-    pooled: Tensor
+    x0: Tensor  # [P, C, H, W] final latent of the point's sample
+    x_t: Tensor  # [P, C, H, W] (1 - sigma) x0 + sigma eps
+    sigma: Tensor  # [P]
+    r: Tensor  # [P] optimality probability
+    version: Tensor  # [P] long: weights that generated the sample
+    group: Tensor  # [P] long, on the device: an index into embeds and pooled
+    embeds: Tensor  # [G, ...]
+    pooled: Tensor  # [G, ...]
+    starts: list[int]  # point offset of each sample, then P
+
+    def __len__(self) -> int:
+        return self.starts[-1]
 
 
 class NFTLearner:
@@ -109,9 +116,10 @@ class NFTLearner:
 
     # ------------------------------------------------------------------ data
 
-    def _points(self, groups: list[Group]) -> tuple[list[_Point], int]:
-        points, n_samples = [], 0
-        for g in groups:
+    def _points(self, groups: list[Group]) -> _Points:
+        parts: dict[str, list[Tensor]] = {k: [] for k in ("x0", "x_t", "sigma", "r", "version", "group")}
+        starts = [0]
+        for gi, g in enumerate(groups):
             if g.advantages is None:
                 raise ValueError(f"group of prompt {g.prompt_index} has no advantages: set them on arrival")
             if g.params.window_size != 0:
@@ -123,12 +131,21 @@ class NFTLearner:
             r = algo.nft_optimality(g.advantages.float(), self.adv_clip)
             for k in range(g.size):
                 x0 = g.latents[k, -1].float()
-                for j in torch.randperm(steps)[:per_sample].tolist():
-                    s = sigmas[j]
-                    x_t = (1 - s) * x0 + s * torch.randn_like(x0)
-                    points.append(_Point(n_samples, x0, x_t, s, r[k], g.min_version, g.prompt_embeds, g.pooled_prompt_embeds))
-                n_samples += 1
-        return points, n_samples
+                s = sigmas[torch.randperm(steps)[:per_sample]]
+                eps = torch.stack([torch.randn_like(x0) for _ in range(per_sample)])
+                s_col = s.reshape(-1, *[1] * x0.ndim)
+                parts["x0"].append(x0.expand(per_sample, *x0.shape))
+                parts["x_t"].append((1 - s_col) * x0 + s_col * eps)
+                parts["sigma"].append(s)
+                parts["r"].append(r[k].expand(per_sample))
+                starts.append(starts[-1] + per_sample)
+            parts["version"].append(torch.full((g.size * per_sample,), g.min_version))
+            parts["group"].append(torch.full((g.size * per_sample,), gi))
+        cat = {k: torch.cat(v) for k, v in parts.items()}
+        dev = self.policy.device
+        return _Points(cat["x0"], cat["x_t"], cat["sigma"], cat["r"], cat["version"], cat["group"].to(dev),
+                       torch.stack([g.prompt_embeds for g in groups]).to(dev),
+                       torch.stack([g.pooled_prompt_embeds for g in groups]).to(dev), starts)
 
     @staticmethod
     def _guidance(groups: list[Group]) -> float:
@@ -138,40 +155,33 @@ class NFTLearner:
             raise ValueError(f"groups in one train_step must share guidance_scale; got {values}")
         return values.pop()
 
-    def _velocity(self, points: list[_Point], sel: list[int], guidance: float, reference: bool = False) -> Tensor:
-        batch = [points[i] for i in sel]
-        return self.policy.velocity(
-            torch.stack([p.x_t for p in batch]),
-            torch.stack([p.sigma for p in batch]),
-            torch.stack([p.embeds for p in batch]),
-            torch.stack([p.pooled for p in batch]),
-            guidance_scale=guidance,
-            reference=reference,
-        )
+    def _velocity(self, points: _Points, sel: slice | Tensor, guidance: float, reference: bool = False) -> Tensor:
+        """The velocity at points `sel` (a range, or indices): one transformer call for all of them."""
+        group = points.group[sel]
+        return self.policy.velocity(points.x_t[sel], points.sigma[sel], points.embeds[group], points.pooled[group],
+                                    guidance_scale=guidance, reference=reference)
 
-    def _micro(self, indices: list[int]):
-        for m in range(0, len(indices), self.micro_batch_size):
-            yield indices[m : m + self.micro_batch_size]
+    def _calls(self, lo: int, hi: int) -> list[slice]:
+        """Points [lo, hi) as the ranges of successive transformer calls, micro_batch_size each."""
+        return [slice(a, min(a + self.micro_batch_size, hi)) for a in range(lo, hi, self.micro_batch_size)]
 
     @torch.no_grad()
-    def _old_velocities(self, points: list[_Point], guidance: float) -> tuple[list[Tensor], int]:
-        """v_old of every point under the old weights of its sample's version; (velocities, missing)."""
-        by_version: dict[int, list[int]] = {}
-        for i, p in enumerate(points):
-            by_version.setdefault(p.version, []).append(i)
+    def _old_velocities(self, points: _Points, guidance: float) -> tuple[Tensor, int]:
+        """v_old of every point under the old weights of its sample's version; (velocities [P, ...], missing)."""
         theta = {n: p.clone() for n, p in self.policy.trainable_state().items()}
-        v_old: list[Tensor] = [torch.empty(0)] * len(points)
+        v_old = torch.empty(points.x_t.shape, device=self.policy.device)
         missing = 0
         try:
-            for version, indices in by_version.items():
+            for version in points.version.unique().tolist():
+                index = (points.version == version).nonzero().flatten()
                 weights = self.snapshots.get(version)
                 if weights is None:
-                    missing += len(indices)
+                    missing += len(index)
                     weights = self.old
                 self.policy.load_trainable_state(weights)
-                for sel in self._micro(indices):
-                    for i, v in zip(sel, self._velocity(points, sel, guidance)):
-                        v_old[i] = v
+                for call in self._calls(0, len(index)):
+                    sel = index[call]
+                    v_old[sel.to(v_old.device)] = self._velocity(points, sel, guidance)
         finally:
             self.policy.load_trainable_state(theta)
         return v_old, missing
@@ -186,39 +196,33 @@ class NFTLearner:
         set_lr(self.optimizer, lr)
         self.steps += 1
         self.snapshots.setdefault(version, self.old)
-        points, n_samples = self._points(groups)
+        points = self._points(groups)
+        n_samples = len(points.starts) - 1
         if n_samples < self.mini_batches:
             raise ValueError(f"{n_samples} samples cannot fill {self.mini_batches} mini-batches")
         guidance = self._guidance(groups)
         v_old, missing = self._old_velocities(points, guidance)
         dev = self.policy.device
-        minis = [set(c.tolist()) for c in torch.arange(n_samples).tensor_split(self.mini_batches)]
+        # a mini-batch: a contiguous range of samples, so of points
+        minis = [(int(c[0]), int(c[-1]) + 1) for c in torch.arange(n_samples).tensor_split(self.mini_batches)]
 
         loss_sum = kl_sum = deviation_sum = torch.zeros((), device=dev)
         grad_norms, points_trained, samples_trained, skipped = [], 0, 0, 0
-        for mini in minis:
-            indices = [i for i, p in enumerate(points) if p.sample in mini]
+        for s0, s1 in minis:
+            lo, hi = points.starts[s0], points.starts[s1]
             mb_loss = mb_kl = mb_dev = torch.zeros((), device=dev)
-            for sel in self._micro(indices):
+            for sel in self._calls(lo, hi):
                 v = self._velocity(points, sel, guidance)
-                old = torch.stack([v_old[i] for i in sel])
-                batch = [points[i] for i in sel]
-                loss = algo.nft_loss(
-                    v,
-                    old,
-                    torch.stack([p.x_t for p in batch]).to(dev),
-                    torch.stack([p.x0 for p in batch]).to(dev),
-                    torch.stack([p.sigma for p in batch]).to(dev),
-                    torch.stack([p.r for p in batch]).to(dev),
-                    beta=self.nft_beta,
-                )
+                old = v_old[sel]
+                loss = algo.nft_loss(v, old, points.x_t[sel].to(dev), points.x0[sel].to(dev), points.sigma[sel].to(dev),
+                                     points.r[sel].to(dev), beta=self.nft_beta)
                 total = loss.sum()
                 if self.beta > 0:
                     v_ref = self._velocity(points, sel, guidance, reference=True)
                     kl = self.beta * ((v - v_ref) ** 2).flatten(1).mean(1).sum()
                     total = total + kl
                     mb_kl = mb_kl + kl.detach()
-                (total / len(indices)).backward()
+                (total / (hi - lo)).backward()
                 mb_loss = mb_loss + loss.detach().sum()
                 mb_dev = mb_dev + ((v.detach() - old) ** 2).flatten(1).mean(1).sum()
 
@@ -235,9 +239,9 @@ class NFTLearner:
                 self.updates += 1
                 grad_norms.append(grad_norm)
                 loss_sum, kl_sum, deviation_sum = loss_sum + mb_loss, kl_sum + mb_kl, deviation_sum + mb_dev
-                points_trained += len(indices)
-                samples_trained += len(mini)
-            self.optimizer.zero_grad(set_to_none=False)
+                points_trained += hi - lo
+                samples_trained += s1 - s0
+            self.optimizer.zero_grad(set_to_none=True)  # the loop above gives every parameter a .grad again
 
         decay = algo.nft_old_decay(self.updates, **self.decay)
         with torch.no_grad():  # a new dict: published and snapshotted copies stay as they were
@@ -248,13 +252,12 @@ class NFTLearner:
             del self.snapshots[v]
 
         metrics = Learner._batch_metrics(groups, version)
-        r = torch.stack([p.r for p in points])
         metrics.update({
             "train/skipped_nonfinite": float(skipped),
             "train/lr": lr,
             "samples/trained": float(samples_trained),
             "train/time_s": time.perf_counter() - t0,
-            "nft/r_mean": float(r.mean()),
+            "nft/r_mean": float(points.r.mean()),
             "nft/old_decay": decay,
             "nft/old_missing_frac": missing / len(points),
         })

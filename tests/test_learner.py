@@ -275,7 +275,8 @@ def test_lr_schedule_drives_the_optimizer_and_resumes(model_dir):
 
 def test_half_batch_gradient_cosine(model_dir):
     """grad/half_cos: the cosine between the gradients of the batch's two halves (different
-    prompts). Identical halves give 1; it needs a micro-batch boundary at the half."""
+    prompts). Identical halves give 1; the calls stop at the half whatever the micro-batch size,
+    so the cosine does not depend on it; one sample has no halves."""
     policy = make_policy(model_dir)
     groups = rollout(policy, seed=4)
     start = {k: v.clone() for k, v in policy.trainable_state().items()}
@@ -283,8 +284,86 @@ def test_half_batch_gradient_cosine(model_dir):
     metrics = Learner(policy, micro_batch_size=4).train_step([groups[0], twin], version=0)
     assert metrics["grad/half_cos"] == pytest.approx(1.0, abs=1e-5)
     policy.load_trainable_state(start)
-    metrics = Learner(policy, micro_batch_size=4).train_step(groups, version=0)
-    assert -1.0 <= metrics["grad/half_cos"] < 0.999
+    cos = Learner(policy, micro_batch_size=4).train_step(groups, version=0)["grad/half_cos"]
+    assert -1.0 <= cos < 0.999
     policy.load_trainable_state(start)
-    assert "grad/half_cos" not in Learner(policy, micro_batch_size=8).train_step(groups, version=0)
+    assert Learner(policy, micro_batch_size=64).train_step(groups, version=0)["grad/half_cos"] == pytest.approx(cos, abs=1e-5)
     policy.load_trainable_state(start)
+    one = copy.copy(groups[0])
+    one.latents, one.log_probs, one.advantages, one.rewards = (t[:1] for t in (one.latents, one.log_probs, one.advantages, one.rewards))
+    assert "grad/half_cos" not in Learner(policy, micro_batch_size=8).train_step([one], version=0)
+    policy.load_trainable_state(start)
+
+
+def stepwise_update(policy, groups, *, micro, beta, uncond_grad):
+    """The replay one step at a time, as the trainer did it before it batched (sample, step)
+    pairs: per micro-batch of samples and per step j one `recompute`, the clipped loss and its
+    KL scaled by (samples) / (pairs), backward. Returns (gradients, mean loss over the pairs)."""
+    samples = [(g, k) for g in groups for k in range(g.size)]
+    window = groups[0].log_probs.shape[1]
+    n_pairs = len(samples) * window
+    params = policy.trainable_parameters()
+    g0 = groups[0].params
+    total = 0.0
+    for m in range(0, len(samples), micro):
+        batch = samples[m : m + micro]
+        cond = [None if getattr(groups[0], a) is None else torch.stack([getattr(g, a) for g, _ in batch])
+                for a in ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")]
+        for j in range(window):
+            sigma, sigma_next = torch.stack([g.sigmas[j] for g, _ in batch]), torch.stack([g.sigmas[j + 1] for g, _ in batch])
+            log_prob, mean, std, ref_mean = policy.recompute(
+                torch.stack([g.latents[k, j] for g, k in batch]), torch.stack([g.latents[k, j + 1] for g, k in batch]),
+                sigma, sigma_next, *cond, guidance_scale=g0.guidance_scale, noise_level=g0.noise_level,
+                sde_type=g0.sde_type, with_ref=beta > 0, uncond_grad=uncond_grad,
+            )
+            behav = torch.stack([g.log_probs[k, j] for g, k in batch])
+            adv = torch.stack([g.advantages[k] for g, k in batch])
+            loss, _ = algo.policy_loss(log_prob, log_prob.detach(), behav, adv, clip_range=1e-4, adv_clip=5.0, is_cap=2.0)
+            if beta > 0:
+                loss = loss + beta * algo.kl_penalty(mean, ref_mean, algo.kl_std(std.detach(), sigma, sigma_next, "sde")).mean()
+            (loss * (len(batch) / n_pairs)).backward()
+            total += float(loss.detach()) * len(batch)
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    return grads, total / n_pairs
+
+
+@pytest.fixture(scope="module", params=["embedded", "qwen_image"])
+def cfg_batch(request, tmp_path_factory):
+    """A CFG batch of 2 prompts of different lengths x 3 samples, 3 trained steps of 5, on the
+    embedded SD3 model and on the tiny Qwen-Image twin (true CFG, norm rescale, text mask)."""
+    from async_flowgrpo.config import EMBEDDED_MODEL
+    from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
+
+    path = EMBEDDED_MODEL if request.param == "embedded" else make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen")))
+    policy = DiffusionPolicy(path, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():  # B = 0 at init would make the KL and the two branches' gradients trivial
+        for n, p in policy.adapter.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    groups = policy.generate(["a red circle", "two blue squares below a red circle"], 3, num_steps=5, guidance_scale=4.0,
+                             noise_level=0.7, sde_type="sde", window_size=3, seed=1)
+    for k, g in enumerate(groups):
+        g.advantages = torch.tensor([1.0, -0.5, 0.25]) * (1 - 2 * k)
+    return policy, groups
+
+
+@pytest.mark.parametrize("micro, uncond_grad", [(4, True), (64, False)])
+def test_batched_replay_equals_the_stepwise_loop(cfg_batch, micro, uncond_grad):
+    """Rows of (sample, step) pairs in calls of `micro` rows (calls that split a sample's window
+    and mix steps; the whole batch in two calls) give the stepwise loop's loss and gradient, with
+    CFG and the KL to the reference."""
+    policy, groups = cfg_batch
+    start = {k: v.clone() for k, v in policy.trainable_state().items()}
+    expected, expected_loss = stepwise_update(policy, groups, micro=2, beta=0.04, uncond_grad=uncond_grad)
+    got = []
+    learner = Learner(policy, micro_batch_size=micro, beta=0.04, uncond_grad=uncond_grad,
+                      grad_all_reduce=lambda params: got.extend(p.grad.clone() for p in params))
+    m = learner.train_step(groups, version=0)
+    policy.load_trainable_state(start)
+    assert m["loss/policy"] + m["loss/kl"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)
+    assert m["loss/kl"] > 0
+    assert sum(float(g.abs().sum()) for g in expected) > 0
+    for a, b in zip(got, expected, strict=True):  # fp32 sums in another order: 1e-4 of the tensor's scale
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))

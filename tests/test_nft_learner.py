@@ -50,13 +50,11 @@ def clone(state):
 def batch_loss(learner, groups, seed):
     """The NFT loss on the batch's points drawn from `seed` (train_step draws the same ones)."""
     torch.manual_seed(seed)
-    points, _ = learner._points(groups)
+    points = learner._points(groups)
     v_old, _ = learner._old_velocities(points, 1.0)
     with torch.no_grad():
-        v = learner._velocity(points, list(range(len(points))), 1.0)
-        return float(algo.nft_loss(v, torch.stack(v_old), torch.stack([p.x_t for p in points]),
-                                   torch.stack([p.x0 for p in points]), torch.stack([p.sigma for p in points]),
-                                   torch.stack([p.r for p in points]), beta=learner.nft_beta).mean())
+        v = learner._velocity(points, slice(None), 1.0)
+        return float(algo.nft_loss(v, v_old, points.x_t, points.x0, points.sigma, points.r, beta=learner.nft_beta).mean())
 
 
 def test_train_step_lowers_the_batch_loss_and_publishes_the_old_copy(model_dir):
@@ -99,15 +97,14 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     torch.manual_seed(0)
     for g in stale:
         g.versions = torch.full_like(g.versions, 1)
-    points, _ = learner._points(stale)
+    points = learner._points(stale)
     v_old, missing = learner._old_velocities(points, 1.0)
     assert missing == 0
     rollout_policy.load_trainable_state(learner.snapshots[1])
-    expected = rollout_policy.velocity(torch.stack([p.x_t for p in points]), torch.stack([p.sigma for p in points]),
-                                       torch.stack([p.embeds for p in points]), torch.stack([p.pooled for p in points]))
-    torch.testing.assert_close(torch.stack(v_old), expected.detach())
+    expected = rollout_policy.velocity(points.x_t, points.sigma, points.embeds[points.group], points.pooled[points.group])
+    torch.testing.assert_close(v_old, expected.detach())
     assert all(torch.equal(v, theta[k]) for k, v in learner.policy.trainable_state().items())  # theta restored
-    assert not torch.allclose(torch.stack(v_old), learner._velocity(points, list(range(len(points))), 1.0).detach())
+    assert not torch.allclose(v_old, learner._velocity(points, slice(None), 1.0).detach())
 
     # a group older than the snapshots kept falls back to the current old copy, counted
     for g in stale:
@@ -166,3 +163,56 @@ def test_the_yaml_file_and_the_name_select_the_same_config():
     by_file = load_config("one_step_off", [os.path.join(CONFIG_DIR, "diffusion_nft.yaml"), "rollout.guidance_scale=2.0"])
     by_name = load_config("one_step_off", ["algorithm.name=diffusion_nft", "rollout.guidance_scale=2.0"])
     assert by_file == by_name and by_name.rollout.guidance_scale == 2.0  # explicit overrides win
+
+
+@pytest.mark.parametrize("family", ["embedded", "qwen_image"])
+def test_points_in_one_call_equal_one_point_at_a_time(family, tmp_path):
+    """Every (sample, noise level) point of a micro-batch in one transformer call: the gradient
+    and loss of a point-at-a-time loop, with the KL to the reference, on the embedded SD3 model
+    and the tiny Qwen-Image twin (prompts of different lengths)."""
+    from async_flowgrpo.config import EMBEDDED_MODEL
+    from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
+
+    path = EMBEDDED_MODEL if family == "embedded" else make_tiny_qwen_image_dir(str(tmp_path / "qwen"))
+    policy = DiffusionPolicy(path, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():  # B = 0 at init would make the KL's gradient trivial
+        for n, p in policy.adapter.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    got = []
+    learner = NFTLearner(policy, beta=0.1, timestep_fraction=0.75, micro_batch_size=64, keep_versions=2,
+                         grad_all_reduce=lambda params: got.extend(p.grad.clone() for p in params))
+    groups = policy.generate(["a red circle", "two blue squares below a red circle"], 2, num_steps=STEPS, guidance_scale=1.0,
+                             noise_level=0.7, sde_type="sde", window_size=0, seed=1)
+    for k, g in enumerate(groups):
+        g.advantages = torch.tensor([1.0, -0.5]) * (1 - 2 * k)
+
+    torch.manual_seed(5)
+    points = learner._points(groups)
+    assert len(points) == 4 * 3 and points.starts == [0, 3, 6, 9, 12]
+    sigmas = policy.sigmas(STEPS)[:STEPS]
+    for k, g in enumerate(groups):
+        for i in range(2):
+            rows = slice(points.starts[2 * k + i], points.starts[2 * k + i + 1])
+            assert torch.equal(points.x0[rows], g.latents[i, -1].expand(3, *g.latents.shape[2:]))
+            assert len(set(points.sigma[rows].tolist())) == 3 and set(points.sigma[rows].tolist()) <= set(sigmas.tolist())
+    v_old, _ = learner._old_velocities(points, 1.0)
+    params = policy.trainable_parameters()
+    total = 0.0
+    for i in range(len(points)):  # one point per call
+        v = learner._velocity(points, slice(i, i + 1), 1.0)
+        loss = algo.nft_loss(v, v_old[i : i + 1], points.x_t[i : i + 1], points.x0[i : i + 1], points.sigma[i : i + 1],
+                             points.r[i : i + 1], beta=learner.nft_beta).sum()
+        loss = loss + 0.1 * ((v - learner._velocity(points, slice(i, i + 1), 1.0, reference=True)) ** 2).mean()
+        (loss / len(points)).backward()
+        total += float(loss.detach())
+    expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+
+    torch.manual_seed(5)
+    m = learner.train_step(groups, version=0)
+    assert m["loss/policy"] + m["loss/kl"] == pytest.approx(total / len(points), rel=1e-5)
+    assert sum(float(g.abs().sum()) for g in expected) > 0
+    for a, b in zip(got, expected, strict=True):  # fp32 sums in another order: 1e-4 of the tensor's scale
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))

@@ -4,9 +4,9 @@
   module), and again if the transformer object is replaced;
 - generate keeps the window on the device until the end and hands out groups whose tensors own
   their storage;
-- Learner.train_step stacks a micro-batch's conditioning once for all its steps and clears its
+- Learner.train_step replays (sample, step) rows in calls of micro_batch_size and clears its
   gradients with set_to_none: the accumulated gradient still equals the per-(sample, step)
-  reference, also with windows of different lengths in one micro-batch and across two updates;
+  reference, also with windows of different lengths in one call and across two updates;
 - benchmarks/phases.py runs end to end on a tiny model and writes its JSON.
 """
 
@@ -119,11 +119,11 @@ def _reference_grads(policy, groups, params, **loss_kw):
 
 PROMPTS = ["a red circle", "a blue square"]
 UPDATES = {
-    # micro-batches of 4 over windows of 4 and 2 steps: the first micro-batch mixes both, and its
-    # selection shrinks after step 1, so the stacked conditioning must be rebuilt mid-micro-batch
+    # calls of 4 rows over windows of 4 and 2 steps: the rows of a call come from different
+    # samples, steps and prompts
     "mixed_windows": (4, [(10, (4, 2), PROMPTS), (20, (2, 4), PROMPTS)]),
-    # one micro-batch of the same 6 samples in both updates, prompts swapped in the second: the
-    # second update must not reuse the first one's conditioning
+    # the same 6 samples in both updates, prompts swapped in the second: the second update must
+    # not reuse the first one's conditioning
     "same_selection_next_update": (8, [(10, (3, 3), PROMPTS), (20, (3, 3), PROMPTS[::-1])]),
 }
 
@@ -148,7 +148,6 @@ def test_train_step_gradient_matches_the_per_pair_reference_across_updates(polic
         for e, g in zip(expected, got):
             torch.testing.assert_close(g, e, rtol=1e-3, atol=1e-7)
         assert all(p.grad is None for p in params)  # cleared with set_to_none after the step
-        assert learner._cond_cache is None
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +242,31 @@ def test_phases_benchmark_times_the_video_family_against_wan_pipeline(phases, tm
         for contender in ("ours", "plain"):
             assert phase["profile"][contender]["buckets_s"]["transformer forward"] > 0
     assert result["phases"]["train"]["profile"]["plain"]["buckets_s"]["backward"] > 0
+
+
+def test_phases_benchmark_times_the_diffusion_nft_step(phases, tiny_model_dir):
+    """--algorithm diffusion_nft: NFTLearner.train_step against a bare loop over the same points."""
+    result = phases.main(["--model", tiny_model_dir, "--phases", "train", "--algorithm", "diffusion_nft", "--cfg", "1",
+                          "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4", "--micro-batch", "4",
+                          "--rounds", "1", "--warmup", "0", "--no-profile"])
+    train = result["phases"]["train"]
+    assert train["forward_backward_passes"] == 2  # 4 samples x 2 of 3 noise levels (fraction 0.99) in calls of 4
+    assert len(train["ours"]["times_s"]) == len(train["plain"]["times_s"]) == 1
+    with pytest.raises(SystemExit):
+        phases.main(["--model", tiny_model_dir, "--algorithm", "diffusion_nft"])  # the rollout phase is Flow-GRPO's
+
+
+def test_phases_benchmark_times_a_baseline_checkouts_learner(phases, tiny_model_dir, tmp_path):
+    """--baseline DIR: the learner module of another checkout (here this one) as a third contender."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for algorithm, cfg in (("flow_grpo", "4.5"), ("diffusion_nft", "1")):
+        result = phases.main(["--model", tiny_model_dir, "--phases", "train", "--algorithm", algorithm, "--cfg", cfg,
+                              "--prompts", "2", "--group-size", "2", "--steps", "3", "--lora-rank", "4",
+                              "--micro-batch", "8", "--baseline", root, "--baseline-micro-batch", "2",
+                              "--rounds", "1", "--warmup", "0", "--no-profile"])
+        train = result["phases"]["train"]
+        assert len(train["baseline"]["times_s"]) == 1 and train["vs_baseline"]["ratio_of_medians"] > 0
+    with pytest.raises(SystemExit, match="no async_flowgrpo/learner.py"):
+        phases.main(["--model", tiny_model_dir, "--phases", "train", "--baseline", str(tmp_path)])

@@ -292,3 +292,25 @@ def test_policy_takes_an_adapter_built_in_memory(model_dir):
     assert adapter.pipeline.vae.dtype == torch.bfloat16
     g = gen(policy, seed=1, n=1)[0]
     assert g.images.shape == (1, 32, 32, 3)
+
+
+def test_reference_forward_is_the_transformer_with_its_adapters_disabled(model_dir):
+    """The KL reference switches peft's layers off directly: the same forward as diffusers'
+    transformer.disable_adapters(), and the adapters (and their gradients) are back after it."""
+    policy = DiffusionPolicy(model_dir, lora_rank=4, lora_alpha=8)
+    with torch.no_grad():  # B = 0 at init would make the reference equal to the policy
+        for n, p in policy.adapter.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(n)))
+    g = gen(policy, seed=2)[0]
+    _, mean, _, ref_mean = recompute(policy, [(g, 0, 0), (g, 1, 1)], with_ref=True)
+    policy.adapter.transformer.disable_adapters()
+    try:
+        _, base_mean, _, _ = recompute(policy, [(g, 0, 0), (g, 1, 1)])
+    finally:
+        policy.adapter.transformer.enable_adapters()
+    torch.testing.assert_close(ref_mean, base_mean.detach())
+    assert not torch.allclose(mean.detach(), ref_mean)
+    _, again, _, _ = recompute(policy, [(g, 0, 0), (g, 1, 1)])
+    torch.testing.assert_close(again, mean)
+    assert all(p.requires_grad for p in policy.trainable_parameters()) and again.requires_grad
