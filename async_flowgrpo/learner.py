@@ -261,7 +261,8 @@ class Learner:
                 )
                 n_rows = sel.stop - sel.start
                 loss = pg if kl is None else pg + self.beta * kl.mean()
-                (loss * (n_rows / n_pairs)).backward()  # the gradient of the mean over the mini-batch's pairs
+                if loss.requires_grad:  # (not when every row is a step of an expert left untrained: model.trained_experts)
+                    (loss * (n_rows / n_pairs)).backward()  # the gradient of the mean over the mini-batch's pairs
 
                 mb_pg = mb_pg + pg.detach() * n_rows
                 if kl is not None:

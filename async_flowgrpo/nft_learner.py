@@ -222,7 +222,8 @@ class NFTLearner:
                     kl = self.beta * ((v - v_ref) ** 2).flatten(1).mean(1).sum()
                     total = total + kl
                     mb_kl = mb_kl + kl.detach()
-                (total / (hi - lo)).backward()
+                if total.requires_grad:  # (not when every point is a step of an expert left untrained)
+                    (total / (hi - lo)).backward()
                 mb_loss = mb_loss + loss.detach().sum()
                 mb_dev = mb_dev + ((v.detach() - old) ** 2).flatten(1).mean(1).sum()
 

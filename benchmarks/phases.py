@@ -23,9 +23,10 @@ With ``--flow-grpo DIR`` (a local checkout of github.com/yifan123/flow_grpo; not
 this repository) each phase has a third contender, the original Flow-GRPO code on the same
 pipeline object: its ``pipeline_with_logprob`` for the rollout, and its train_sd3.py inner loop
 (``compute_log_prob`` around its ``sde_step_with_logprob``, clipped-ratio loss, backward; re-typed
-in ``flow_grpo_train``) for the trainer step. Its trainer differentiates both CFG halves (as ours
-with ``algorithm.uncond_grad=true``); ``--no-uncond-grad`` detaches the unconditional half in all
-three, the work of our default.
+in ``flow_grpo_train``) for the trainer step. That loop differentiates both CFG halves, as
+flow_grpo's did before its commit 2d76907 (and ours with ``algorithm.uncond_grad=true``);
+``--no-uncond-grad`` detaches the unconditional half in all three, as flow_grpo's
+``compute_log_prob`` now does and as our default does.
 
 Every round runs every contender, alternating which goes first (ABBA), after ``--warmup``
 unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the

@@ -197,3 +197,19 @@ def test_presets_load_and_the_expert_keys_are_validated(twins, capsys):
         config_or_exit("sync", [*video, f"model.path={ti2v}", "model.guidance_scale_2=3.0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("config error: model.guidance_scale_2")
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 6])
+def test_training_one_expert_on_a_window_that_spans_both(twins, micro_batch_size):
+    """With only the low-noise expert trained, the window's high-noise steps carry no gradient: a
+    call whose rows all belong to the frozen expert adds nothing (at micro-batch 1, steps 0-1), and
+    the update moves the trained expert's adapters only."""
+    policy, groups = rollout(twins["wan22_a14b"], trained_experts=["transformer_2"])
+    for g in groups:
+        g.advantages = torch.tensor([-1.0, 1.0])
+    before = {k: v.clone() for k, v in policy.trainable_state().items()}
+    metrics = Learner(policy, micro_batch_size=micro_batch_size, clip_range=1e-2, lr=1e-2).train_step(groups, version=0)
+    assert metrics["train/skipped_nonfinite"] == 0 and metrics["logp/max_abs_diff"] < 1e-5
+    after = policy.trainable_state()
+    changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k]) and "lora_B" in k}
+    assert changed == {"transformer_2"}
