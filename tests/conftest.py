@@ -29,9 +29,12 @@ def ray_cluster():
     fresh worker for every actor instead of taking the ones it starts ahead (about 1 s each)."""
     import ray
 
+    from async_flowgrpo.driver import cluster
+
+    cluster.shutdown_ray()  # nothing left of a Ray an earlier module's run started
     ray.init(num_cpus=2, include_dashboard=False)
     yield
-    ray.shutdown()
+    cluster.shutdown_ray()
 
 
 # The fast tier (`python -m pytest -q -m "not slow"`, a few minutes) leaves out what starts Ray,

@@ -68,8 +68,10 @@ def init_ray(cfg: Config) -> None:
             )
 
 
-# The keeper of the process group that holds the Ray this process started (see _ray_in_its_own_group).
+# The keeper of the process group that holds the Ray this process started (see _ray_in_its_own_group),
+# and that Ray's node.
 _keeper: subprocess.Popen | None = None
+_keeper_node = None
 
 
 @contextmanager
@@ -108,8 +110,10 @@ def _ray_in_its_own_group(start: bool) -> Iterator[None]:
 
             super().__init__(*args, preexec_fn=join_then_ray_preexec, **kwargs)
 
+    global _keeper_node
     with mock.patch.object(services, "ConsolePopen", InKeepersGroup):
         yield
+    _keeper_node = ray._private.worker._global_node
 
 
 def _end_keeper() -> None:
@@ -122,7 +126,9 @@ def _end_keeper() -> None:
 
 
 def ray_started_here() -> bool:
-    return _keeper is not None and ray.is_initialized()
+    """Whether the Ray this process is in is the one init_ray started (not one started by other code
+    of this process after that Ray was shut down some other way, which the keeper does not hold)."""
+    return _keeper is not None and ray.is_initialized() and ray._private.worker._global_node is _keeper_node
 
 
 def local_ray_lost() -> bool:
