@@ -6,6 +6,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A Ray call made after a module's Ray was shut down (a thread a test left running) must fail where
+# it is made: Ray's auto-init would start a second, half-made Ray whose client ends the whole pytest
+# process a minute later, with no report.
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -585,6 +585,15 @@ def test_groups_scored_meanwhile_are_handed_in_once_scored_in_the_order_made(act
     scored) holds the producer at the bound: gps 2, eta 1, so 4 groups before version 1."""
     q = actor(capacity=8, groups_per_step=2, max_staleness=1)
     producer = _ScoringProducer(q, score_s=0.3, fail={1})
+    try:
+        _check_scored_meanwhile(q, producer)
+    finally:
+        # Scores still running after the stop would call ray.put once the module's Ray is shut
+        # down, and Ray's auto-init would start a half-made second Ray that ends the process later.
+        producer.pool.shutdown(wait=True)
+
+
+def _check_scored_meanwhile(q, producer):
     thread = producer.start()
     deadline = time.monotonic() + T
     while ray.get(q.stats.remote(), timeout=T)["queue/size"] < 4 and time.monotonic() < deadline:
