@@ -96,7 +96,7 @@ class Learner:
         prox_mode: str = "recompute",
         micro_batch_size: int = 8,
         mini_batches: int = 1,
-        uncond_grad: bool = True,
+        uncond_grad: bool = False,
         grad_all_reduce: Callable[[list[nn.Parameter]], None] | None = None,
         lr_schedule: Callable[[int], float] | None = None,
     ):

@@ -398,7 +398,7 @@ class DiffusionPolicy:
         sde_type: str,
         sigma_max: float | Tensor | None = None,
         with_ref: bool = False,
-        uncond_grad: bool = True,
+        uncond_grad: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Score recorded steps x_j -> x_{j+1} of a micro-batch with gradients through the
         transformer: (log_prob [B], mean, std, ref_mean or None). sigma, sigma_next: [B] (each

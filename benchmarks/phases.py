@@ -444,8 +444,9 @@ def flow_grpo_rollout(flow_grpo, policy, prompts, args):
 def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
     """Its train_sd3.py inner loop, re-typed: per micro-batch of --micro-batch samples and per trained step
     (its loop has no (sample, step) rows), `compute_log_prob`
-    (one CFG batch [uncond; cond], differentiated through both halves as its trainer does, or with
-    the unconditional half detached under --no-uncond-grad; its `sde_step_with_logprob`
+    (one CFG batch [uncond; cond], differentiated through both halves as its trainer did before its
+    commit 2d76907, or with the unconditional half detached under --no-uncond-grad, as its
+    `compute_log_prob` does now: `noise_pred_uncond = noise_pred_uncond.detach()`; its `sde_step_with_logprob`
     against the recorded next latent), the clipped-ratio policy loss (beta 0) and backward; one
     clipped AdamW step per batch (its accelerate accumulation spans the batch)."""
     import torch
