@@ -54,8 +54,8 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
 def test_every_family_runs_the_rollout_and_trainer_sections(gpu, tmp_path, shape):
     """Each family's pipeline call takes the conditioning our adapter made, and our rollout and
     trainer run on the model built in memory (full fine-tuning only where the shape allows it)."""
-    result = gpu.main(["--shape", shape, "--device", "cpu", "--repeats", "1", "--skip-embedded",
-                       "--out", str(tmp_path / "gpu.json")])
+    result = gpu.main(["--shape", shape, "--device", "cpu", "--repeats", "1", "--skip-embedded", "--skip-fused",
+                       "--prompts", "1", "--group-size", "4", "--train-rows", "16", "--out", str(tmp_path / "gpu.json")])
     assert result["errors"] == {}
     assert result["pipeline"]["images_per_s"] > 0 and result["rollout"]["images_per_s"] > 0
     # the same model and steps: FLOPs per image agree within what the adapters and text encoding add
