@@ -37,7 +37,7 @@ machine's drift). Then each contender of each phase runs
 once more under cProfile (timed by CPU time): the time split into transformer forward, backward, text encoding, VAE
 decode, optimizer step and the rest, and ours' top functions by own time.
 
-    python benchmarks/phases.py                                   # embedded model, the issue's work: ~2 min
+    python benchmarks/phases.py                                   # embedded model, the default work: ~2 min
     python benchmarks/phases.py --out benchmarks/results/phases/after.json
     python benchmarks/phases.py --real-size                       # random-init wider SD3, ~5 min
     python benchmarks/phases.py --model /path/to/sd3 --prompts 2 --group-size 4 --window 2
@@ -51,7 +51,7 @@ decode, optimizer step and the rest, and ours' top functions by own time.
     git worktree add /tmp/before <commit>
     python benchmarks/phases.py --phases train ... --baseline /tmp/before --baseline-micro-batch 16
 
-Defaults are the work of issue 20: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
+The default work: 4 prompts x 8 images = 32 samples a step, 10 denoising steps,
 CFG 4.5, an SDE window of 9 trained steps, LoRA r16, fp32, micro-batch 8 rows (36 forward+backward
 passes per train step), one torch thread.
 """

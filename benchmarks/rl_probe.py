@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """RL probe: what the FlowGRPO update learns on the embedded model, in one process (no Ray).
 
-Issue 3's target (eval/accuracy +0.15 within the 10-minute default run) is not met; this is how
+The target of eval/accuracy +0.15 within the 10-minute default run is not met; this is how
 we measure why. It runs the synchronous update (the trainers' Learner, policy.generate, group
 advantages) on a chosen slice of the training prompts and evaluates, at the start, every
 --eval-every steps and at the end, on the held-out prompts and on 64 fixed training prompts

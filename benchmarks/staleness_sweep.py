@@ -8,7 +8,7 @@ Each cell is seed_runs.py's run (`python launch/fully_async.py ... trainer.seed=
 as a subprocess, same held-out evaluation), kept under
 benchmarks/results/seed_runs/<NAME>/<algorithm>/eta<E>_<correction>/seed<S>/. Cells run
 interleaved (for each seed, each algorithm, each eta, each correction), a finished cell is
-skipped, so a sweep continues across invocations and sessions.
+skipped, so a sweep continues across invocations.
 
 Reaching the staleness: on a 2-core machine rollout is the bottleneck (the trainer idles about
 three quarters of the time), so the queue stays nearly empty and every batch is about one version

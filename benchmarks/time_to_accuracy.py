@@ -5,8 +5,8 @@ Each cell is one launcher run, `python launch/<mode>.py [algorithm.name=diffusio
 trainer.seed=S rollout.seed=S`, as a subprocess (seed_runs.py's way: what a user runs is what is
 measured), kept under benchmarks/results/time_to_accuracy/<name>/<algorithm>/<mode>/seed<S>/.
 Cells run interleaved (for each seed, each algorithm, each mode) so that a slower stretch of the
-machine hits every mode alike; a finished cell is skipped, so a sweep continues across invocations
-and sessions, and invocations with different --seeds can run one after another into the same name.
+machine hits every mode alike; a finished cell is skipped, so a sweep continues across invocations,
+and invocations with different --seeds can run one after another into the same name.
 
 The clock is the run's own `time_s` (wall seconds since its first step started) with **evaluation
 time taken out**: at each evaluation, training seconds = time_s minus the `eval/time_s` of every

@@ -1,4 +1,4 @@
-"""Stopped the way clusters stop a job, end to end through the launcher (issue 31):
+"""Stopped the way clusters stop a job, end to end through the launcher:
 
 - SIGTERM to the launcher's whole process group (`timeout`, SLURM's scancel, systemd): a graceful
   stop with a checkpoint of the current step, since Ray's processes are kept out of the group;

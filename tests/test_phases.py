@@ -1,4 +1,4 @@
-"""What the per-phase speed work (issue 20) changed, checked for the math rather than the time.
+"""What the per-phase speed work changed, checked for the math rather than the time.
 
 - the adapters look their transformer's device and dtype up once (diffusers' lookup walks every
   module), and again if the transformer object is replaced;

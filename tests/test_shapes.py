@@ -274,7 +274,7 @@ def test_shipped_model_generates_32px_quickly(shipped_pipe):
 
 
 def test_shipped_model_follows_held_out_prompts(shipped_pipe):
-    """A loose version of the base-model gate (issue 15) on 16 held-out prompts x 4 (the full gate,
+    """A loose version of the base-model gate on 16 held-out prompts x 4 (the full gate,
     64 prompts x 4, is in docs/results.md: 0.70 all right, 0.50 on count prompts, position right given
     both objects right 1.00): colours nearly always right, a fair share of images entirely right,
     and the relation words followed (chance is 0.5)."""

@@ -4,7 +4,7 @@ Used two ways: tests build one in seconds (random weights), and `scripts`-style 
 embedded "shapes" model starts from one. Either way the result is saved with `save_pretrained` and
 loaded back through the ordinary `from_pretrained` path, like any real model.
 
-Facts that shape the sizes (measured on a prototype, see issue 3):
+Facts that shape the sizes (measured on a prototype):
 - joint_attention_dim must be 2 x the CLIP hidden size: SD3 concatenates the two CLIP outputs
   along features; a smaller value silently drops the second encoder.
 - The pipeline pads T5 tokens (zeros without a T5 encoder) of length max_sequence_length onto
