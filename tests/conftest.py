@@ -41,13 +41,14 @@ def ray_cluster():
     cluster.shutdown_ray()
 
 
-# The fast tier (`python -m pytest -q -m "not slow"`, a few minutes) leaves out what starts Ray,
-# launches subprocesses or injects faults into whole runs; the full suite (CI) runs everything.
+# The fast tier (`python -m pytest -q -m "not slow"`, under 2 minutes) leaves out what starts Ray,
+# launches or spawns processes, injects faults into whole runs, or trains for tens of updates; the
+# full suite (CI) runs everything.
 SLOW_MODULES = {"test_cluster_signals", "test_fault_injection", "test_launcher", "test_multinode", "test_wan_run"}
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts Ray or a launcher subprocess (left out of the fast tier)")
+    config.addinivalue_line("markers", "slow: starts Ray or other processes, or trains for long (left out of the fast tier)")
 
 
 def pytest_collection_modifyitems(config, items):

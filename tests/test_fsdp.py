@@ -7,6 +7,7 @@ weights and trainable adapters in the same FSDP units), the split evaluation and
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,6 +53,7 @@ def sharded_rank(rank, world_size, port, model_dir, eval_prompts, groups_path, o
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # spawns two trainer processes
 def test_sharded_lora_trainers_match_an_unsharded_learner(tiny_model_dir, tmp_path):
     # 40 eval prompts: chunks of 16, 16 and 8; rank 0 takes the 1st and 3rd, rank 1 the 2nd and
     # repeats one to make as many forward passes as rank 0 (discarded)

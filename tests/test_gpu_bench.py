@@ -19,6 +19,7 @@ def gpu():
     return load_benchmark("gpu")
 
 
+@pytest.mark.slow  # the whole benchmark on CPU, its engine and embedded loop included: about 20 s
 def test_tiny_run_fills_every_section(gpu, tmp_path):
     out = tmp_path / "gpu.json"
     result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--embedded-steps", "1",
@@ -123,6 +124,7 @@ def test_plain_classes_import_without_ray():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+@pytest.mark.slow  # the LoRA policy timed with and without autocast, interleaved: about 9 s
 def test_autocast_ab_interleaves_both_settings(gpu, tmp_path):
     result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "2", "--autocast-ab", "--out", str(tmp_path / "ab.json")])
     ab = result["autocast_ab"]

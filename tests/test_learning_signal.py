@@ -59,6 +59,7 @@ def expected_reward_change(algorithm: str, sign: float, updates: int = 3, group_
     return after - before
 
 
+@pytest.mark.slow  # tens of updates of the embedded model: 10-20 s each
 @pytest.mark.parametrize("algorithm", ["flow_grpo", "diffusion_nft"])
 def test_updates_raise_the_expected_reward(algorithm):
     up = expected_reward_change(algorithm, +1.0)

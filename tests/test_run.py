@@ -233,6 +233,7 @@ def test_weight_sync_leaves_nccl_when_actors_share_a_gpu(gpus, transport, device
     assert sync_device(cfg) == device
 
 
+@pytest.mark.slow  # starts Ray in a subprocess
 def test_a_sigterm_in_the_last_moments_of_ray_init_reaches_the_drivers_handler(tmp_path):
     """ray.init would take SIGTERM twice over: a Python handler that exits 15 without a word, and
     its core worker's C++ crash handler, which dumps a stack and aborts. A SIGTERM sent right after
