@@ -163,7 +163,7 @@ def test_a_driver_killed_outright_leaves_no_ray_process_and_resumes_from_the_las
 
 # -- a stop never waits on long work -----------------------------------------------------------------
 STOP_GRACE_S = 20  # trainer.stop_grace_s's default
-LONG_EVAL = ("eval.at_start_and_end=true", "eval.samples_per_prompt=64", "eval.num_steps=30")
+LONG_EVAL = ("eval.at_start_and_end=true", "eval.samples_per_prompt=64", "eval.num_steps=100")
 
 
 def one_stop_line(run: Launch, code: int, err: str) -> str:
