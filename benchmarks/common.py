@@ -47,6 +47,18 @@ def split_overrides(ap, overrides: list[str], modes) -> tuple[list[str], dict[st
     return common, per_mode
 
 
+def parse_run_overrides(ap, argv):
+    """`ap.parse_args`, where a `run` command's key=value overrides may also follow its options
+    (`run NAME --seeds 0,1 trainer.lr=3e-4`): they are added to its positional `args`."""
+    a, rest = ap.parse_known_args(argv)
+    bad = [x for x in rest if x.startswith("-")] if a.cmd == "run" else rest
+    if bad:
+        ap.error(f"unrecognized arguments: {' '.join(bad)}")
+    if a.cmd == "run":
+        a.args += rest
+    return a
+
+
 def load_mode_config(mode: str, overrides: list[str]):
     from async_flowgrpo.config import ConfigError, load_config
 

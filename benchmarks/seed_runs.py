@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, prune_run_outputs, read_metrics  # noqa: E402
+from common import REPO, RESULTS, log, parse_run_overrides, prune_run_outputs, read_metrics  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "seed_runs")
 MODES = ("sync", "one_step_off", "fully_async")
@@ -178,14 +178,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("report", help="per-seed tables and summary.json of finished runs")
     p.add_argument("names", nargs="+")
     p.add_argument("--plot", help="write a PNG of the held-out accuracy curves")
-    a, rest = ap.parse_known_args(argv)
-    if a.cmd == "run":
-        bad = [x for x in rest if x.startswith("-")]
-        if bad:
-            ap.error(f"unrecognized arguments: {' '.join(bad)}")
-        a.args += rest  # overrides given after --seeds
-    elif rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    a = parse_run_overrides(ap, argv)
     if a.cmd == "run":
         try:
             seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
@@ -194,6 +187,9 @@ def main(argv=None) -> None:
         for seed in seeds:
             run_seed(a.name, seed, a.mode, a.args, [float(g) for g in a.other_cfg.split(",") if g.strip()])
         return
+    missing = [n for n in a.names if not os.path.isdir(os.path.join(ROOT, n))]
+    if missing:
+        ap.error(f"no runs named {', '.join(missing)} under {ROOT}")
     summaries = [summarize(n) for n in a.names]
     for s in summaries:
         print(table(s), end="\n\n")

@@ -42,7 +42,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, prune_run_outputs, read_metrics, split_overrides, write_json  # noqa: E402
+from common import (REPO, RESULTS, log, parse_run_overrides, prune_run_outputs, read_metrics, split_overrides,  # noqa: E402
+                    write_json)
 from seed_runs import MODES, finished  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "time_to_accuracy")
@@ -232,14 +233,7 @@ def main(argv=None) -> None:
     p.add_argument("--target-rise", default="0.10", help="target = each run's step-0 accuracy + this: a number, "
                    "or one per algorithm (flow_grpo=0.07,diffusion_nft=0.15)")
     p.add_argument("--plot", help="the PNG (default: benchmarks/results/time_to_accuracy/NAME/accuracy_vs_time.png)")
-    a, rest = ap.parse_known_args(argv)
-    if a.cmd == "run":
-        bad = [x for x in rest if x.startswith("-")]
-        if bad:
-            ap.error(f"unrecognized arguments: {' '.join(bad)}")
-        a.args += rest  # overrides given after --seeds
-    elif rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    a = parse_run_overrides(ap, argv)
     if a.cmd == "report":
         try:
             rises = parse_target_rises(a.target_rise)
