@@ -58,9 +58,9 @@ def stopped_within_grace(run: Launch, t_signal: float, grace_s: float = GRACE_S)
     return code, err
 
 
-def resume_continues(run: Launch, args: list[str], *changes: str) -> None:
+def resume_continues(run: Launch, args: list[str], *changes: str, says: str = "") -> None:
     """trainer.resume=latest (with `changes`, key=value) continues from the newest checkpoint: steps
-    k+1.., 4 samples a step."""
+    k+1.., 4 samples a step, one summary on stdout; `says`: a line its stderr must hold."""
     path, state = checkpoint_state(run.output_dir)
     assert state is not None, run.why("no checkpoint to resume")
     k = state["step"]
@@ -75,6 +75,8 @@ def resume_continues(run: Launch, args: list[str], *changes: str) -> None:
         code, err = resumed.finish(timeout=400)
         assert code == 0, resumed.why("the resumed run failed")
         assert f"resumed from {path} at step {k}" in err, resumed.why(f"did not resume from {path}")
+        assert says in err, resumed.why(f"no {says!r}")
+        assert resumed.stdout.count("summary: ") == 1, resumed.why(f"stdout: {resumed.stdout[-2000:]}")  # not logger and cli both
         all_rows = [r for r in resumed.rows(complete_only=False) if r["step"] >= 1]
         new = [r["step"] for r in all_rows[len(rows):]]
         assert new == list(range(k + 1, target + 1)), resumed.why(f"resumed steps {new}, expected {k + 1}..{target}")
@@ -111,7 +113,9 @@ def test_sigterm_to_the_process_group_stops_with_a_checkpoint_of_the_current_ste
         assert state["step"] == state["version"] == n and os.path.basename(path) == f"step_{n:06d}", run.why(path)
         assert [r["step"] for r in run.rows(complete_only=False)] == list(range(1, n + 1)), run.why("rows")
         assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
-        resume_continues(run, args)
+        # the printed command, with a changed lr (and total_steps), resumes
+        resume_continues(run, args, "trainer.lr=5e-3",
+                         says=f"resume: applying changed settings: trainer.lr 0.01 -> 0.005, trainer.total_steps {TOTAL} -> ")
     finally:
         run.cleanup()
 

@@ -114,17 +114,18 @@ def alive(processes: dict[int, tuple[str, str]]) -> dict[int, tuple[str, str]]:
 # -- a launcher run ----------------------------------------------------------------------------------
 class Launch:
     """`launch/<mode>.py` as a subprocess with a private RAY_TMPDIR, in a session (and process group)
-    of its own, as a scheduler starts a job: a signal to its group reaches nothing else. stderr goes
-    to a file (a pipe could fill while the test waits). Remembers every process it started, to check
-    that none outlives it and to clean up after a failed test."""
+    of its own, as a scheduler starts a job: a signal to its group reaches nothing else. stdout and
+    stderr go to files (a pipe could fill while the test waits). Remembers every process it started,
+    to check that none outlives it and to clean up after a failed test."""
 
     def __init__(self, mode: str, args: list[str], output_dir: str, context: str):
         self.mode, self.args, self.output_dir, self.context = mode, args, output_dir, context
         self.ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths live under it
         self.err_path = os.path.join(self.ray_tmp, "launcher.stderr")
+        self.out_path = os.path.join(self.ray_tmp, "launcher.stdout")
         self.launcher = os.path.join(REPO, "launch", f"{mode}.py")
-        with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, self.launcher, *args], stdout=subprocess.DEVNULL, stderr=err,
+        with open(self.err_path, "w") as err, open(self.out_path, "w") as out:
+            self.proc = subprocess.Popen([sys.executable, self.launcher, *args], stdout=out, stderr=err,
                                          env={**ENV, "RAY_TMPDIR": self.ray_tmp}, cwd=REPO, start_new_session=True)
         self.t0 = time.monotonic()
         self.seen: dict[int, tuple[str, str]] = {}  # every process under the launcher, ever
@@ -134,6 +135,11 @@ class Launch:
     @property
     def stderr(self) -> str:
         with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def stdout(self) -> str:
+        with open(self.out_path, errors="replace") as f:
             return f.read()
 
     def why(self, message: str) -> str:
