@@ -133,7 +133,10 @@ def main(argv: list[str]) -> None:
     from async_flowgrpo.config import config_or_exit
     from async_flowgrpo.builders import build_policy
 
-    cfg = config_or_exit("fully_async", argv, command="python -m async_flowgrpo.evaluation")
+    # --live: a checkpoint's live weights even where the run saved a weight average (trainer.ema_decay),
+    # to compare the two on one run
+    live = "--live" in argv
+    cfg = config_or_exit("fully_async", [a for a in argv if a != "--live"], command="python -m async_flowgrpo.evaluation [--live]")
     policy = build_policy(cfg)
     if cfg.trainer.resume:
         from async_flowgrpo import checkpoint
@@ -145,7 +148,7 @@ def main(argv: list[str]) -> None:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
         learner = state["learner"]
-        average = "ema" in learner  # what the run evaluated and saved (trainer.ema_decay)
+        average = "ema" in learner and not live  # by default what the run evaluated (trainer.ema_decay)
         policy.load_trainable_state(learner["ema"]["average"] if average else learner["trainable"])
         print(f"weights: {path} (step {state['step']}{', the weight average' if average else ''})")
     result = evaluate_policy(policy, cfg)

@@ -43,15 +43,23 @@ def finished(run_dir: str) -> bool:
     return os.path.exists(os.path.join(run_dir, "run.json"))
 
 
-def evaluate_final(out: str, args: list[str], guidance: float, env: dict) -> float:
-    """Held-out accuracy of the run's last checkpoint at another CFG scale (the same evaluation)."""
-    cmd = [sys.executable, "-m", "async_flowgrpo.evaluation", *args, f"trainer.output_dir={out}",
-           "trainer.resume=latest", f"eval.guidance_scale={guidance}"]
+def evaluate_final(out: str, args: list[str], env: dict, guidance: float | None = None, live: bool = False) -> float:
+    """Held-out accuracy of the run's last checkpoint (the same evaluation): at another CFG scale, or
+    of its live weights where the run evaluated a weight average (trainer.ema_decay)."""
+    cmd = [sys.executable, "-m", "async_flowgrpo.evaluation", *args, f"trainer.output_dir={out}", "trainer.resume=latest",
+           *([f"eval.guidance_scale={guidance}"] if guidance is not None else []), *(["--live"] if live else [])]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.split()[:1] == ["eval/accuracy"]:
             return float(line.split()[1])
-    raise SystemExit(f"{out}: evaluation at CFG {guidance} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+    what = "of the live weights" if live else f"at CFG {guidance}"
+    raise SystemExit(f"{out}: evaluation {what} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+
+
+def weight_average_on(run_dir: str) -> bool:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.ema_decay > 0
 
 
 def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[float]) -> None:
@@ -70,12 +78,14 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
-    final_at = {str(g): evaluate_final(out, args, g, env) for g in other_cfg}
+    final_at = {str(g): evaluate_final(out, args, env, guidance=g) for g in other_cfg}
+    # the run evaluated its weight average: the same last checkpoint's live weights, a paired comparison
+    final_live = evaluate_final(out, args, env, live=True) if weight_average_on(out) else None
     prune_run_outputs(out)
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
-                   "mode": mode, "wall_s": round(wall, 1),
-                   "final_eval_accuracy_at_cfg": final_at, "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
+                   "mode": mode, "wall_s": round(wall, 1), "final_eval_accuracy_at_cfg": final_at,
+                   "final_eval_accuracy_live": final_live, "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
     log(f"{name} seed {seed}: {wall:.0f} s")
 
 
@@ -98,8 +108,15 @@ def summarize_run(run_dir: str) -> dict:
         "reward_first_quarter": round(sum(rewards[:quarter]) / quarter, 4),
         "reward_last_quarter": round(sum(rewards[-quarter:]) / quarter, 4),
         "final_at_cfg": info.get("final_eval_accuracy_at_cfg", {}),
+        "final_live": info.get("final_eval_accuracy_live"),  # where the evaluations are of a weight average
         "staleness_mean": round(sum(r.get("staleness/mean", 0) for r in rows) / max(1, len(rewards)), 3),
     }
+
+
+def _se(values: list[float]) -> float:
+    n = len(values)
+    mean = sum(values) / n
+    return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n) if n > 1 else math.nan
 
 
 def summarize(name: str) -> dict:
@@ -112,12 +129,15 @@ def summarize(name: str) -> dict:
     rises = [r["rise"] for r in runs]
     n = len(rises)
     mean = sum(rises) / n
-    se = math.sqrt(sum((x - mean) ** 2 for x in rises) / (n - 1) / n) if n > 1 else math.nan
+    se = _se(rises)
     from omegaconf import OmegaConf
 
     eval_cfg = OmegaConf.load(os.path.join(base, f"seed{runs[0]['seed']}", "config.yaml")).eval.guidance_scale
     summary = {"name": name, "eval_guidance_scale": eval_cfg, "runs": runs, "n": n, "rise_mean": round(mean, 4), "rise_se": round(se, 4),
                "rise_worst": min(rises), "reward_quarters_rising": sum(r["reward_last_quarter"] > r["reward_first_quarter"] for r in runs)}
+    if all(r["final_live"] is not None for r in runs):  # the average's last evaluation less the live weights', per seed
+        gaps = [list(r["eval_accuracy"].values())[-1] - r["final_live"] for r in runs]
+        summary["average_minus_live"] = {"mean": round(sum(gaps) / n, 4), "se": round(_se(gaps), 4), "per_seed": [round(g, 4) for g in gaps]}
     with open(os.path.join(base, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -132,12 +152,17 @@ def table(summary: dict) -> str:
     for r in summary["runs"]:
         curve = " -> ".join(f"{v:.3f}" for v in r["eval_accuracy"].values())
         curve += "".join(f"; CFG {g}: {v:.3f}" for g, v in r["final_at_cfg"].items())
+        curve += f"; live weights: {r['final_live']:.3f}" if r.get("final_live") is not None else ""
         wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f} s"
         lines.append(f"| {r['seed']} | {curve} | {r['rise']:+.3f} | {r['reward_first_quarter']:.3f} -> "
                      f"{r['reward_last_quarter']:.3f} | {wall} |")
     lines.append(f"| mean (n={summary['n']}) | | **{summary['rise_mean']:+.3f}** (SE {summary['rise_se']:.3f}, "
                  f"worst {summary['rise_worst']:+.3f}) | last quarter above first in "
                  f"{summary['reward_quarters_rising']}/{summary['n']} | |")
+    if "average_minus_live" in summary:
+        gap = summary["average_minus_live"]
+        lines.append(f"\nthe weight average's last evaluation less the live weights': {gap['mean']:+.3f} (SE {gap['se']:.3f}; "
+                     f"per seed {', '.join(f'{g:+.3f}' for g in gap['per_seed'])})")
     return "\n".join(lines)
 
 

@@ -32,39 +32,40 @@ def prompt_file(tmp_path_factory):
 
 
 def small_config(mode, model_dir, prompts, output_dir, *extra):
-    return load_config(
-        mode,
-        [
-            f"model.path={model_dir}",
-            "model.lora_rank=4",
-            "model.lora_alpha=8",
-            f"rollout.prompts={prompts}",
-            "rollout.prompt_mix=null",
-            "rollout.sde_window_range=null",
-            f"eval.prompts={prompts}",
-            "rollout.group_size=2",
-            "rollout.groups_per_step=2",
-            "rollout.num_steps=4",
-            "rollout.sde_window_size=0",
-            "rollout.cpus_per_worker=0.25",
-            "trainer.cpus_per_worker=0.25",
-            "trainer.micro_batch_size=4",
-            "trainer.lr=1e-2",
-            "trainer.lr_schedule=constant",  # these runs check mechanics: every step at the full lr
-            "trainer.warmup_steps=0",
-            "trainer.total_steps=3",
-            "trainer.sample_every=0",
-            f"trainer.output_dir={output_dir}",
-            "eval.every=0",
-            "eval.at_start_and_end=false",
-            "logging.progress=false",
-            "sync.timeout_s=120",
-            # graded credit: a tiny random model gets nothing entirely right, and all-zero rewards
-            # would leave nothing to learn (no gradient for the update tests to see)
-            "reward.options={shapes: {score: partial}}",
-            *extra,
-        ],
-    )
+    return load_config(mode, small_argv(model_dir, prompts, output_dir, *extra))
+
+
+def small_argv(model_dir, prompts, output_dir, *extra):
+    return [
+        f"model.path={model_dir}",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        f"rollout.prompts={prompts}",
+        "rollout.prompt_mix=null",
+        "rollout.sde_window_range=null",
+        f"eval.prompts={prompts}",
+        "rollout.group_size=2",
+        "rollout.groups_per_step=2",
+        "rollout.num_steps=4",
+        "rollout.sde_window_size=0",
+        "rollout.cpus_per_worker=0.25",
+        "trainer.cpus_per_worker=0.25",
+        "trainer.micro_batch_size=4",
+        "trainer.lr=1e-2",
+        "trainer.lr_schedule=constant",  # these runs check mechanics: every step at the full lr
+        "trainer.warmup_steps=0",
+        "trainer.total_steps=3",
+        "trainer.sample_every=0",
+        f"trainer.output_dir={output_dir}",
+        "eval.every=0",
+        "eval.at_start_and_end=false",
+        "logging.progress=false",
+        "sync.timeout_s=120",
+        # graded credit: a tiny random model gets nothing entirely right, and all-zero rewards
+        # would leave nothing to learn (no gradient for the update tests to see)
+        "reward.options={shapes: {score: partial}}",
+        *extra,
+    ]
 
 
 def one_batch(run):
@@ -308,9 +309,11 @@ def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_di
     pipe.load_lora_weights(os.path.join(resumed, "checkpoints", "step_000006", "weights"))
 
 
-def test_the_weight_average_is_saved_evaluated_and_resumed(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+def test_the_weight_average_is_saved_evaluated_and_resumed(ray_cluster, tiny_model_dir, prompt_file, tmp_path, capsys):
     """trainer.ema_decay: the checkpoint keeps the live weights (to train on) and the average; the
-    saved weights are the average; a resumed run goes on averaging from the saved one."""
+    saved weights are the average, and what the evaluation command takes (the live ones with
+    --live); a resumed run goes on averaging from the saved one."""
+    from async_flowgrpo import evaluation
     from safetensors.torch import load_file
 
     from async_flowgrpo import checkpoint
@@ -329,6 +332,11 @@ def test_the_weight_average_is_saved_evaluated_and_resumed(ray_cluster, tiny_mod
         torch.testing.assert_close(saved["transformer." + name.replace(".default", "")], value, rtol=0, atol=0)
     rows = read_metrics(out)
     assert "eval/reward" in rows[0] and "eval/reward" in rows[-1]  # evaluated (on the average) at both ends
+    for flag, which in (([], ", the weight average)"), (["--live"], ")")):
+        capsys.readouterr()
+        evaluation.main([*small_argv(tiny_model_dir, prompt_file, out, *ema, "trainer.resume=latest"), *flag])
+        printed = capsys.readouterr().out
+        assert f"weights: {step3} (step 3{which}" in printed and "eval/reward" in printed, printed
 
     run(small_config("sync", tiny_model_dir, prompt_file, out, *ema, "trainer.total_steps=4", "trainer.resume=latest"))
     resumed = checkpoint.load(os.path.join(out, "checkpoints", "step_000004"))["learner"]["ema"]

@@ -73,3 +73,19 @@ def test_seed_runs_use_the_eval_reward_where_there_is_no_accuracy(sweep):
     run = sweep.seed_runs.summarize_run(run_dir)
     assert run["eval_metric"] == "eval/reward" and run["rise"] == pytest.approx(0.1)
     assert run["eval_accuracy"] == {0: 0.85, 10: 0.95}
+
+
+def test_seed_runs_report_the_weight_average_against_the_live_weights_seed_by_seed(sweep):
+    """Runs that evaluated a weight average also carry their last checkpoint's live-weight accuracy:
+    the report pairs the two per seed (the average's last evaluation less the live weights')."""
+    for seed, (accuracies, live) in enumerate([([0.6, 0.70], 0.66), ([0.6, 0.64], 0.68)]):
+        fake_cell(sweep, "flow_grpo", 1, "none", seed, accuracies, staleness=1.0)
+        path = os.path.join(sweep.seed_runs.ROOT, sweep.cell_name("s", "flow_grpo", 1, "none"), f"seed{seed}", "run.json")
+        info = json.load(open(path))
+        json.dump({**info, "final_eval_accuracy_live": live}, open(path, "w"))
+    summary = sweep.seed_runs.summarize(sweep.cell_name("s", "flow_grpo", 1, "none"))
+    gap = summary["average_minus_live"]
+    assert gap["per_seed"] == [pytest.approx(0.04), pytest.approx(-0.04)] and gap["mean"] == pytest.approx(0.0)
+    assert gap["se"] == pytest.approx(0.04)
+    text = sweep.seed_runs.table(summary)
+    assert "0.600 -> 0.700; live weights: 0.660 |" in text and "per seed +0.040, -0.040" in text
