@@ -190,6 +190,33 @@ def plot(summaries: list[dict], path: str) -> None:
     log(f"wrote {path}")
 
 
+def plot_metrics(names: list[str], keys: list[str], path: str, window: int = 10) -> None:
+    """One panel a metric, one line a run (colour by name): the update size and the gradient norm
+    show a collapse coming before the held-out accuracy does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        for k, name in enumerate(names):
+            base = os.path.join(ROOT, name)
+            for i, d in enumerate(sorted(d for d in os.listdir(base) if d.startswith("seed") and finished(os.path.join(base, d)))):
+                rows = [r for r in read_metrics(os.path.join(base, d)) if key in r and r["step"] >= 1]
+                values = [r[key] for r in rows]
+                smooth = [sum(values[max(0, j - window + 1):j + 1]) / len(values[max(0, j - window + 1):j + 1]) for j in range(len(values))]
+                ax.plot([r["step"] for r in rows], smooth, color=f"C{k}", alpha=0.6, lw=1, label=name if i == 0 else None)
+        ax.set_yscale("log")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[-1, 0].set_xlabel("trainer step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
@@ -203,6 +230,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("report", help="per-seed tables and summary.json of finished runs")
     p.add_argument("names", nargs="+")
     p.add_argument("--plot", help="write a PNG of the held-out accuracy curves")
+    p.add_argument("--plot-metrics", metavar="KEYS:PNG", help="a PNG of training metrics by step, one panel a key, "
+                   "e.g. train/grad_norm,nft/old_deviation:curves.png (a 10-step running mean, log scale)")
     a = parse_run_overrides(ap, argv)
     if a.cmd == "run":
         try:
@@ -220,6 +249,11 @@ def main(argv=None) -> None:
         print(table(s), end="\n\n")
     if a.plot:
         plot(summaries, a.plot)
+    if a.plot_metrics:
+        keys, _, path = a.plot_metrics.rpartition(":")
+        if not keys or not path:
+            ap.error(f"--plot-metrics {a.plot_metrics!r}: expected KEY[,KEY...]:PNG")
+        plot_metrics(a.names, keys.split(","), path)
 
 
 if __name__ == "__main__":
