@@ -119,10 +119,14 @@ def _se(values: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in values) / (n - 1) / n) if n > 1 else math.nan
 
 
+def finished_runs(base: str) -> list[str]:
+    """The run directories under `base` whose run finished (seed<S>/ with a run.json)."""
+    return [os.path.join(base, d) for d in sorted(os.listdir(base)) if d.startswith("seed") and finished(os.path.join(base, d))]
+
+
 def summarize(name: str) -> dict:
     base = os.path.join(ROOT, name)
-    runs = [summarize_run(os.path.join(base, d)) for d in sorted(os.listdir(base))
-            if d.startswith("seed") and finished(os.path.join(base, d))]
+    runs = [summarize_run(d) for d in finished_runs(base)]
     if not runs:
         raise SystemExit(f"{name}: no finished run under {base}")
     runs.sort(key=lambda r: r["seed"])
@@ -201,11 +205,10 @@ def plot_metrics(names: list[str], keys: list[str], path: str, window: int = 10)
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         for k, name in enumerate(names):
-            base = os.path.join(ROOT, name)
-            for i, d in enumerate(sorted(d for d in os.listdir(base) if d.startswith("seed") and finished(os.path.join(base, d)))):
-                rows = [r for r in read_metrics(os.path.join(base, d)) if key in r and r["step"] >= 1]
-                values = [r[key] for r in rows]
-                smooth = [sum(values[max(0, j - window + 1):j + 1]) / len(values[max(0, j - window + 1):j + 1]) for j in range(len(values))]
+            for i, run_dir in enumerate(finished_runs(os.path.join(ROOT, name))):
+                rows = [r for r in read_metrics(run_dir) if key in r and r["step"] >= 1]
+                windows = [rows[max(0, j - window + 1):j + 1] for j in range(len(rows))]
+                smooth = [sum(r[key] for r in w) / len(w) for w in windows]
                 ax.plot([r["step"] for r in rows], smooth, color=f"C{k}", alpha=0.6, lw=1, label=name if i == 0 else None)
         ax.set_yscale("log")
         ax.set_ylabel(key)

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (REPO, RESULTS, log, parse_run_overrides, prune_run_outputs, read_metrics, split_overrides,  # noqa: E402
                     write_json)
-from seed_runs import MODES, finished  # noqa: E402
+from seed_runs import MODES, finished, finished_runs  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "time_to_accuracy")
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
@@ -139,8 +139,7 @@ def summarize(name: str, target_rises: dict[str, float]) -> dict:
     for algorithm in ALGORITHMS:
         for mode in MODES:
             d = os.path.join(base, algorithm, mode)
-            runs = [summarize_run(os.path.join(d, s), target_rises[algorithm]) for s in sorted(os.listdir(d))
-                    if s.startswith("seed") and finished(os.path.join(d, s))] if os.path.isdir(d) else []
+            runs = [summarize_run(r, target_rises[algorithm]) for r in finished_runs(d)] if os.path.isdir(d) else []
             if not runs:
                 continue
             runs.sort(key=lambda r: r["seed"])
