@@ -129,7 +129,8 @@ class TrainerConfig:
     min_step_time_s: float = 0.0
     sample_every: int = 10  # steps between saved PNG grids of rollout samples
     # > 0: evaluation and saved weights use an average of the trained weights (async_flowgrpo.ema;
-    # Flow-GRPO's train.ema); rollouts sample with the live ones. 0: off
+    # Flow-GRPO's train.ema); rollouts sample with the live ones. 0: off, the default (on paired seeds
+    # of both algorithms the average scored no higher than the live weights; docs/results.md)
     ema_decay: float = 0.0
 
 
