@@ -160,8 +160,8 @@ def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir):
 def test_test_and_install_commands_match_ci():
     ci = open(os.path.join(ROOT, ".ci", "run")).read()
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
-    test_command = next(line for line in ci.splitlines() if line.startswith("python -m pytest"))
-    assert test_command in readme, f"the README's test command is not .ci/run's: {test_command}"
+    test_command = next((line for line in ci.splitlines() if line.startswith("python -m pytest")), None)
+    assert test_command and test_command in readme, f"the README's test command is not .ci/run's: {test_command}"
     for line in ("pip install torch==2.13.0", 'pip install -e ".[test]"'):
         assert line in readme
         assert line.replace("pip install ", "pip install -q ") in ci
