@@ -228,7 +228,7 @@ class LoggingConfig:
 
 @dataclass
 class RayConfig:
-    address: Optional[str] = None  # None = start a local cluster; "auto" or host:port = join one
+    address: Optional[str] = None  # "auto" or host:port = join one; None = $RAY_ADDRESS if set, else start a local cluster
     num_cpus: Optional[int] = None  # for a local cluster; None = all cores
     num_gpus: Optional[int] = None
     # Every wait on the cluster is bounded by one of these (a dead or hung actor is an error, not a hang):

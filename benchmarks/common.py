@@ -169,6 +169,7 @@ def start_ray(resources: dict, verbose: bool = False) -> None:
     if ray.is_initialized():
         return
     ray.init(
+        address="local",
         num_cpus=resources["num_cpus"],
         num_gpus=resources["num_gpus"],
         include_dashboard=False,

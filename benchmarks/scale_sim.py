@@ -796,7 +796,7 @@ def main(argv=None) -> int:
     out = args.out or os.path.join(RESULTS, f"{args.name}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     info = {**machine(), "code": code_state()}
-    ray.init(num_cpus=args.num_cpus, num_gpus=0, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=args.num_cpus, num_gpus=0, include_dashboard=False, log_to_driver=False,
              object_store_memory=2 * 1024**3,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}})
     points = []

@@ -768,7 +768,7 @@ def main(argv=None) -> int:
     phases = {}
     if __name__ != "__main__":  # imported (benchmarks/ is not a package): ship the actor classes by value
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=2 * 2**30)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=2 * 2**30)
     phases["ray_init_s"] = time.perf_counter() - t_start
     try:
         bench = Bench(args)

@@ -36,7 +36,7 @@ def ray_cluster():
     from async_flowgrpo.driver import cluster
 
     cluster.shutdown_ray()  # nothing left of a Ray an earlier module's run started
-    ray.init(num_cpus=2, include_dashboard=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     cluster.shutdown_ray()
 

@@ -66,14 +66,46 @@ def test_launcher_joins_an_existing_cluster(head_node, tiny_model_dir, tmp_path)
     assert [r["version"] for r in rows] == [1, 2]
 
 
-def test_unreachable_cluster_is_a_one_line_error(tiny_model_dir, tmp_path):
-    cmd = [sys.executable, os.path.join(REPO, "launch", "sync.py"), f"ray.address=127.0.0.1:{free_port()}",
-           "ray.connect_timeout_s=2", f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"]
+@pytest.mark.parametrize("given_by", ["ray.address", "RAY_ADDRESS"])
+def test_unreachable_cluster_is_a_one_line_error(given_by, tiny_model_dir, tmp_path):
+    """RAY_ADDRESS (what `ray job submit` sets) is joined as ray.address is, and named in the error."""
+    address = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, os.path.join(REPO, "launch", "sync.py"), "ray.connect_timeout_s=2",
+           f"model.path={tiny_model_dir}", f"trainer.output_dir={tmp_path}"]
+    env = dict(os.environ)
+    if given_by == "ray.address":
+        cmd.append(f"ray.address={address}")
+    else:
+        env["RAY_ADDRESS"] = address
     start = time.time()
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 1
     assert time.time() - start < 60
-    assert "ray.address" in result.stderr.strip().splitlines()[-1]
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {given_by}: cannot reach"), result.stderr[-1000:]
+
+
+def test_without_an_address_a_cluster_left_by_ray_start_is_not_joined(tmp_path):
+    """`ray start` records its cluster in <tmp>/ray/ray_current_cluster and Ray's default ray.init joins
+    it, where num_cpus is refused (ValueError). No ray.address means a Ray of the run's own: here the
+    record names a cluster that is not there, and the driver's Ray still comes up with its 1 CPU."""
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write(f"127.0.0.1:{free_port()}")
+    script = (
+        "import ray\n"
+        "from async_flowgrpo.config import load_config\n"
+        "from async_flowgrpo.driver.cluster import init_ray, shutdown_ray\n"
+        f"init_ray(load_config('sync', ['ray.num_cpus=1', 'trainer.output_dir={tmp_path}']))\n"
+        "print('cpus', ray.cluster_resources()['CPU'])\n"
+        "shutdown_ray()\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "RAY_ADDRESS": "", "RAY_TMPDIR": ray_tmp}, cwd=REPO)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0 and "cpus 1.0" in done.stdout, done.stderr[-2000:]
 
 
 # -- two nodes on one machine (Ray's own multi-node tests do the same: a head and a second raylet) --

@@ -235,7 +235,7 @@ class ReceiverActor:
 def actors():
     # Workers cannot import this test module: ship the actor classes (and helpers) by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     pool = {"sender": SenderActor.remote(), "receivers": [ReceiverActor.remote() for _ in range(2)]}
     yield pool
     ray.shutdown()

@@ -35,14 +35,16 @@ class RunError(RuntimeError):
 
 
 def init_ray(cfg: Config) -> None:
-    address = cfg.ray.address
+    # RAY_ADDRESS is how `ray job submit` and Ray users point a driver at their cluster.
+    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    source = "ray.address" if cfg.ray.address else "RAY_ADDRESS"
     if address and address != "auto":
         # ray.init retries an unreachable address for a long time: probe the port first.
         host, _, port = address.replace("ray://", "").rpartition(":")
         try:
             socket.create_connection((host, int(port)), timeout=cfg.ray.connect_timeout_s).close()
         except (OSError, ValueError) as e:
-            raise RunError(f"ray.address: cannot reach a Ray cluster at {address} ({e})") from None
+            raise RunError(f"{source}: cannot reach a Ray cluster at {address} ({e})") from None
     if ray.is_initialized():
         return
     env_vars = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"), "TOKENIZERS_PARALLELISM": "false"}
@@ -52,7 +54,7 @@ def init_ray(cfg: Config) -> None:
             try:
                 ray.init(address=address, runtime_env={"env_vars": env_vars}, log_to_driver=to_console)
             except (ConnectionError, RuntimeError) as e:
-                raise RunError(f"ray.address: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
+                raise RunError(f"{source}: cannot join the Ray cluster at {address}: {str(e).splitlines()[0]}") from None
         else:
             # A Ray started here inherits this process's environment. Without a runtime_env the actors
             # can take the worker processes Ray starts ahead (a runtime_env makes it start new ones).
@@ -61,6 +63,9 @@ def init_ray(cfg: Config) -> None:
             # signal may have stopped (default 5 s)
             os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "1000")
             ray.init(
+                # "local": never a cluster that `ray start` left on this machine (Ray's default would join
+                # it, and refuse num_cpus there)
+                address="local",
                 num_cpus=cfg.ray.num_cpus or os.cpu_count(),
                 num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
                 include_dashboard=False,
