@@ -1,4 +1,5 @@
-"""Stopped the way clusters stop a job, end to end through the launcher:
+"""Stopped the way clusters stop a job, end to end through the launcher, one job stopped and resumed
+again and again as a preemptible job is:
 
 - SIGTERM to the launcher's whole process group (`timeout`, SLURM's scancel, systemd): a graceful
   stop with a checkpoint of the current step, since Ray's processes are kept out of the group;
@@ -13,10 +14,15 @@ A stop never waits on long work (the same checks, within trainer.stop_grace_s): 
 evaluation that would outlast the grace period, during a slow reward (a scoring service that
 sleeps), during a checkpoint write, and during an update longer than the grace period (given up:
 the line names the last checkpoint).
+
+Each test is one job: every stop's resumed run is where the next stop lands (starting a run costs
+more than the steps it makes), and the last one runs to its end, its counters checked over every
+step of every run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -37,17 +43,6 @@ TOTAL = 40  # far more steps than the run gets to before the signal
 GRACE_S = 30  # a scheduler's grace period between SIGTERM and SIGKILL
 
 
-def start(tiny_model_dir, prompt_file, tmp_path, what: str, rows: int = 3, delay_s: float = 0.0) -> tuple[Launch, list[str]]:
-    """The run, `delay_s` after its metrics row `rows`."""
-    out = str(tmp_path / "run")
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2")
-    run = Launch(MODE, args, out, what)
-    assert run.wait_rows(rows), run.why(f"the run ended before its step {rows}")
-    run.sleep(delay_s)
-    run.scan(force=True)
-    return run, args
-
-
 def stopped_within_grace(run: Launch, t_signal: float, grace_s: float = GRACE_S) -> tuple[int, str]:
     code, err = run.finish(timeout=grace_s + 60)
     took = time.monotonic() - t_signal
@@ -58,125 +53,159 @@ def stopped_within_grace(run: Launch, t_signal: float, grace_s: float = GRACE_S)
     return code, err
 
 
-def resume_continues(run: Launch, args: list[str], *changes: str, says: str = "") -> None:
-    """trainer.resume=latest (with `changes`, key=value) continues from the newest checkpoint: steps
-    k+1.., 4 samples a step, one summary on stdout; `says`: a line its stderr must hold."""
-    path, state = checkpoint_state(run.output_dir)
-    assert state is not None, run.why("no checkpoint to resume")
-    k = state["step"]
-    assert state["version"] == k and os.path.basename(path) == f"step_{k:06d}", run.why(f"{path}: step {k}")
-    rows = [r for r in run.rows(complete_only=False) if r["step"] >= 1]
-    target = max(k, len(rows)) + 2
-    changes = (*changes, f"trainer.total_steps={target}")
-    again = [a for a in args if not a.startswith(tuple(c.split("=")[0] + "=" for c in changes))]
-    again += [*changes, "trainer.resume=latest"]
-    resumed = Launch(MODE, again, run.output_dir, f"{run.context}; resumed from step {k}")
-    try:
-        code, err = resumed.finish(timeout=400)
-        assert code == 0, resumed.why("the resumed run failed")
-        assert f"resumed from {path} at step {k}" in err, resumed.why(f"did not resume from {path}")
-        assert says in err, resumed.why(f"no {says!r}")
-        assert resumed.stdout.count("summary: ") == 1, resumed.why(f"stdout: {resumed.stdout[-2000:]}")  # not logger and cli both
-        all_rows = [r for r in resumed.rows(complete_only=False) if r["step"] >= 1]
-        new = [r["step"] for r in all_rows[len(rows):]]
-        assert new == list(range(k + 1, target + 1)), resumed.why(f"resumed steps {new}, expected {k + 1}..{target}")
-        final = last_per_step(all_rows)
-        assert [r["step"] for r in final] == list(range(1, target + 1)), resumed.why(f"steps {[r['step'] for r in final]}")
-        assert_counters(resumed, final, final[-1:], killed_rollout=False)
-        _, end = checkpoint_state(run.output_dir)
+def one_stop_line(run: Launch, code: int, err: str) -> str:
+    stopped = [line for line in err.splitlines() if line.startswith("stopped")]
+    assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
+    assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
+    return stopped[0]
+
+
+def steps_logged(run: Launch) -> list[int]:
+    """The steps of metrics.jsonl's rows, every run's (a resumed run logs again the steps after its checkpoint)."""
+    return [r["step"] for r in run.rows(complete_only=False) if r["step"] >= 1]
+
+
+class Job:
+    """One output_dir, launched, stopped and resumed: `resume` starts the next run from the newest
+    checkpoint; `steps` are the steps the current run has logged."""
+
+    def __init__(self, tiny_model_dir, prompt_file, tmp_path, *extra: str):
+        self.out = str(tmp_path / "run")
+        self.args = small_args(tiny_model_dir, prompt_file, self.out, f"trainer.total_steps={TOTAL}", *extra)
+        self.launches: list[Launch] = []
+        self.logged_before = 0  # rows of earlier runs
+        self.resumed_at: int | None = None
+
+    def launch(self, what: str) -> Launch:
+        self.launches.append(Launch(MODE, self.args, self.out, what))
+        return self.run
+
+    @property
+    def run(self) -> Launch:
+        return self.launches[-1]
+
+    @property
+    def steps(self) -> list[int]:
+        return steps_logged(self.run)[self.logged_before:]
+
+    def wait_steps(self, n: int, delay_s: float = 0.0) -> None:
+        """Until the current run has logged `n` steps, then `delay_s` more."""
+        assert self.run.wait_until(lambda: len(self.steps) >= n, 300, f"its step {n}"), self.run.why(f"the run ended before its step {n}")
+        self.run.sleep(delay_s)
+        self.run.scan(force=True)
+
+    def resume(self, what: str, *changes: str, says: str = "") -> Launch:
+        """trainer.resume=latest with `changes` (key=value): the new run says it resumed from the
+        newest checkpoint (and `says`), and is checked to go on from its step with `check_continued`."""
+        path, state = checkpoint_state(self.out)
+        assert state is not None, self.run.why("no checkpoint to resume")
+        k = state["step"]
+        assert state["version"] == k and os.path.basename(path) == f"step_{k:06d}", self.run.why(f"{path}: step {k}")
+        keys = tuple(c.split("=")[0] + "=" for c in (*changes, "trainer.resume=latest"))
+        self.args = [a for a in self.args if not a.startswith(keys)] + [*changes, "trainer.resume=latest"]
+        self.logged_before, self.resumed_at = len(steps_logged(self.run)), k
+        self.resume_line, self.says = f"resumed from {path} at step {k}", says
+        return self.launch(f"{self.run.context}; resumed from step {k}: {what}")
+
+    def check_continued(self) -> None:
+        """The resumed run took the newest checkpoint and logs the steps after it, in order."""
+        err, k = self.run.stderr, self.resumed_at
+        assert self.resume_line in err, self.run.why(f"no {self.resume_line!r}")
+        assert self.says in err, self.run.why(f"no {self.says!r}")
+        assert self.steps == list(range(k + 1, k + 1 + len(self.steps))), self.run.why(f"resumed steps {self.steps} after {k}")
+
+    def finish_resumed(self, *changes: str, says: str = "") -> None:
+        """The last run: resumed (with `changes`) for two steps past the furthest step logged; one
+        summary on stdout, every step's counters exact over all the runs, the final checkpoint's too."""
+        target = max([*steps_logged(self.run), checkpoint_state(self.out)[1]["step"]]) + 2
+        run = self.resume("to the end", *changes, f"trainer.total_steps={target}", says=says)
+        code, _ = run.finish(timeout=400)
+        assert code == 0, run.why("the resumed run failed")
+        self.check_continued()
+        assert self.steps[-1] == target, run.why(f"ended at {self.steps}, expected {target}")
+        assert run.stdout.count("summary: ") == 1, run.why(f"stdout: {run.stdout[-2000:]}")  # not logger and cli both
+        final = last_per_step(run.rows(complete_only=False))
+        final = [r for r in final if r["step"] >= 1]
+        assert [r["step"] for r in final] == list(range(1, target + 1)), run.why(f"steps {[r['step'] for r in final]}")
+        assert_counters(run, final, final[-1:], killed_rollout=False)
+        _, end = checkpoint_state(self.out)
         assert end["step"] == end["version"] == target and end["consumed_samples"] == final[-1]["samples/consumed"], \
-            resumed.why(f"final checkpoint: step {end['step']}, consumed {end['consumed_samples']}")
-        assert not resumed.leftovers(), resumed.why("Ray processes outlived the resumed launcher")
-    finally:
-        resumed.cleanup()
+            run.why(f"final checkpoint: step {end['step']}, consumed {end['consumed_samples']}")
+        assert not run.leftovers(), run.why("Ray processes outlived the resumed launcher")
+
+    def cleanup(self) -> None:
+        for run in self.launches:
+            with contextlib.suppress(Exception):
+                run.cleanup()
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", _seeds(default=(0,)))
-def test_sigterm_to_the_process_group_stops_with_a_checkpoint_of_the_current_step(tiny_model_dir, prompt_file, tmp_path, seed):
-    """At a seeded point: after step 1-6, 0-1.5 s into the next (mid-update, mid-rollout, mid-save).
-    A soak: FAULT_SEEDS=0-19 python -m pytest tests/test_cluster_signals.py -k process_group"""
+def test_a_job_stopped_as_clusters_stop_it_resumes_each_time_with_exact_counts(tiny_model_dir, prompt_file, tmp_path, seed):
+    """SIGTERM to the process group at a seeded point (after step 1-6, 0-1.5 s into the next:
+    mid-update, mid-rollout, mid-save), then, resumed with a changed lr, SIGTERM to every process,
+    then, resumed, SIGKILL to the driver, then resumed to the end.
+    A soak: FAULT_SEEDS=0-19 python -m pytest tests/test_cluster_signals.py -k clusters"""
     rng = random.Random(seed)
     rows, delay_s = rng.randint(1, 6), round(rng.uniform(0.0, 1.5), 2)
-    run, args = start(tiny_model_dir, prompt_file, tmp_path, f"SIGTERM to the process group after step {rows} + {delay_s} s "
-                      f"(seed {seed})", rows=rows, delay_s=delay_s)
+    job = Job(tiny_model_dir, prompt_file, tmp_path, "trainer.checkpoint_every=2")
     try:
+        # 1. SIGTERM to the process group: a checkpoint of the step it stops at
+        run = job.launch(f"SIGTERM to the process group after step {rows} + {delay_s} s (seed {seed})")
+        job.wait_steps(rows, delay_s)
         t_signal = time.monotonic()
         os.killpg(run.proc.pid, signal.SIGTERM)  # the launcher leads its own group (Launch: a new session)
         code, err = stopped_within_grace(run, t_signal)
-        stopped = [line for line in err.splitlines() if line.startswith("stopped")]
-        assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
-        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", stopped[0])
-        assert m, run.why(f"not a stop with a checkpoint of its step: {stopped[0]!r}")
-        path, state = checkpoint_state(run.output_dir)
+        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", one_stop_line(run, code, err))
+        assert m, run.why(f"not a stop with a checkpoint of its step: {err.splitlines()[-1]!r}")
+        path, state = checkpoint_state(job.out)
         n = int(m.group(1))
         assert state["step"] == state["version"] == n and os.path.basename(path) == f"step_{n:06d}", run.why(path)
-        assert [r["step"] for r in run.rows(complete_only=False)] == list(range(1, n + 1)), run.why("rows")
-        assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
-        # the printed command, with a changed lr (and total_steps), resumes
-        resume_continues(run, args, "trainer.lr=5e-3",
-                         says=f"resume: applying changed settings: trainer.lr 0.01 -> 0.005, trainer.total_steps {TOTAL} -> ")
-    finally:
-        run.cleanup()
+        assert job.steps == list(range(1, n + 1)), run.why("rows")
 
-
-@pytest.mark.timeout(900)
-def test_sigterm_to_every_process_names_the_last_checkpoint(tiny_model_dir, prompt_file, tmp_path):
-    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGTERM to every process by pid")
-    try:
+        # 2. the printed command, with a changed lr; then SIGTERM to every process by pid
+        run = job.resume("SIGTERM to every process by pid", "trainer.lr=5e-3",
+                         says="resume: applying changed settings: trainer.lr 0.01 -> 0.005")
+        job.wait_steps(2)
         every = [run.proc.pid, *alive(run.seen), *ray_processes(run.ray_tmp)]
         t_signal = time.monotonic()
         for pid in dict.fromkeys(every):
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         code, err = stopped_within_grace(run, t_signal)
-        stopped = [line for line in err.splitlines() if line.startswith("stopped")]
-        assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
-        path, state = checkpoint_state(run.output_dir)
+        line = one_stop_line(run, code, err)
+        job.check_continued()
+        path, state = checkpoint_state(job.out)
         m = re.match(r"stopped at step (\d+)(?: without a checkpoint of it \(the signal stopped Ray's processes too\); "
-                     r"the last checkpoint is (\S+))?; resume with: .* trainer\.resume=latest$", stopped[0])
-        assert m, run.why(f"unexpected stop line {stopped[0]!r}")
+                     r"the last checkpoint is (\S+))?; resume with: .* trainer\.resume=latest$", line)
+        assert m, run.why(f"unexpected stop line {line!r}")
         n = int(m.group(1))
         if m.group(2):  # the trainers went with the signal: the line names the checkpoint that resume takes
             assert m.group(2) == path and state["step"] < n, run.why(f"the line names {m.group(2)}, latest is {path}")
         else:  # the driver saved before the trainers went (or its periodic checkpoint was of this step)
             assert state["step"] == n, run.why(f"stopped at {n}, latest {path}")
-        assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
-        resume_continues(run, args)
-    finally:
-        run.cleanup()
 
-
-@pytest.mark.timeout(900)
-def test_a_driver_killed_outright_leaves_no_ray_process_and_resumes_from_the_last_periodic_checkpoint(
-        tiny_model_dir, prompt_file, tmp_path):
-    run, args = start(tiny_model_dir, prompt_file, tmp_path, "SIGKILL to the driver")
-    try:
+        # 3. SIGKILL to the driver: no Ray process lingers; resumed from the last periodic checkpoint
+        run = job.resume("SIGKILL to the driver")
+        job.wait_steps(3)
         run.proc.kill()
         code, _ = run.finish(timeout=30)
         assert code == -signal.SIGKILL, run.why(f"exit {code}")
         # the raylet's agents included (they would poll for the raylet for a minute, ignoring SIGTERM)
         left = run.leftovers(timeout=10)
         assert not left, run.why(f"Ray processes outlived the killed driver: {left}")
-        resume_continues(run, args)
+        job.check_continued()
+
+        job.finish_resumed()
     finally:
-        run.cleanup()
+        job.cleanup()
 
 
 # -- a stop never waits on long work -----------------------------------------------------------------
 STOP_GRACE_S = 20  # trainer.stop_grace_s's default
 LONG_EVAL = ("eval.at_start_and_end=true", "eval.samples_per_prompt=64", "eval.num_steps=100")
-
-
-def one_stop_line(run: Launch, code: int, err: str) -> str:
-    junk = unexpected_stderr(err, MODE)
-    assert not junk and "Traceback" not in err, run.why(f"more than one line: {junk[:5]}")
-    stopped = [line for line in err.splitlines() if line.startswith("stopped")]
-    assert code == 143 and len(stopped) == 1, run.why(f"exit {code}, lines {stopped}")
-    assert not run.leftovers(), run.why(f"Ray processes outlived the launcher: {run.leftovers()}")
-    return stopped[0]
+GIVE_UP_GRACE_S = 16  # the least trainer.stop_grace_s (its last 8 s shut Ray down): an update is given up after 8 s
+LONG_UPDATE_S = 14  # trainer.min_step_time_s: an update in flight at the signal outlasts those 8 s
 
 
 def evaluation_time_s(args: list[str], steps: int = 4) -> float:
@@ -205,113 +234,85 @@ def evaluation_time_s(args: list[str], steps: int = 4) -> float:
     return per_step * cfg.eval.num_steps * calls
 
 
+def stop_line(job: Job, grace_s: float, pattern: str) -> re.Match:
+    """SIGTERM to the current run's process group: gone within `grace_s`, one line matching `pattern`."""
+    run = job.run
+    t_signal = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    run.scan(force=True)
+    code, err = stopped_within_grace(run, t_signal, grace_s)
+    line = one_stop_line(run, code, err)
+    m = re.match(pattern, line)
+    assert m, job.run.why(line)
+    return m
+
+
 @pytest.mark.timeout(900)
-def test_sigterm_during_an_evaluation_abandons_it_and_stops_within_the_grace_period(tiny_model_dir, prompt_file, tmp_path):
-    """The step-0 evaluation, longer than the grace period: abandoned, step 0 saved, resumed."""
-    out = str(tmp_path / "run")
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", *LONG_EVAL)
-    outlasts = evaluation_time_s(args)
-    assert outlasts > 1.5 * STOP_GRACE_S, f"the evaluation takes {outlasts:.0f} s: not long enough to test a stop"
-    run = Launch(MODE, args, out, f"SIGTERM during the step-0 evaluation (at least {outlasts:.0f} s)")
+def test_a_stop_never_waits_on_long_work(tiny_model_dir, prompt_file, tmp_path):
+    """SIGTERM during the step-0 evaluation, then (resumed) during a slow reward, then during a
+    checkpoint write, then during an update longer than the grace period; then resumed to the end."""
+    scorer = SleepingScorer()
+    job = Job(tiny_model_dir, prompt_file, tmp_path, "trainer.checkpoint_every=2", *LONG_EVAL, *scorer.args())
+    root = os.path.join(job.out, "checkpoints")
+    stopped_at = r"stopped at step (\d+); resume with: .* trainer\.resume=latest$"
     try:
+        # 1. the step-0 evaluation, longer than the grace period: abandoned, step 0 saved
+        outlasts = evaluation_time_s(job.args)
+        assert outlasts > 1.5 * STOP_GRACE_S, f"the evaluation takes {outlasts:.0f} s: not long enough to test a stop"
+        run = job.launch(f"SIGTERM during the step-0 evaluation (at least {outlasts:.0f} s)")
         run.wait_until(lambda: "step 0: evaluating" in run.stderr, 300, "the step-0 evaluation")
         run.sleep(2.0)
-        run.scan(force=True)
-        t_signal = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        code, err = stopped_within_grace(run, t_signal, STOP_GRACE_S)
-        line = one_stop_line(run, code, err)
-        assert re.match(r"stopped at step 0; resume with: .* trainer\.resume=latest$", line), run.why(line)
-        assert "step 0: evaluation abandoned for the stop (SIGTERM); not logged" in err, run.why("no word of the evaluation")
+        stop_line(job, STOP_GRACE_S, r"stopped at step 0; resume with: .* trainer\.resume=latest$")
+        assert "step 0: evaluation abandoned for the stop (SIGTERM); not logged" in run.stderr, run.why("no word of the evaluation")
         assert run.rows(complete_only=False) == [], run.why("a metrics row of the abandoned evaluation")
-        path, state = checkpoint_state(out)
+        path, state = checkpoint_state(job.out)
         assert state["step"] == state["version"] == 0, run.why(path)
-        resume_continues(run, args, "eval.at_start_and_end=false")
-    finally:
-        run.cleanup()
 
-
-@pytest.mark.timeout(900)
-def test_sigterm_during_a_slow_reward_stops_within_the_grace_period(tiny_model_dir, prompt_file, tmp_path):
-    """fully_async: the group being scored is not waited for (a ticket in flight, regenerated on resume)."""
-    scorer = SleepingScorer()
-    out = str(tmp_path / "run")
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2",
-                      *scorer.args())
-    run = Launch(MODE, args, out, "SIGTERM during a slow reward")
-    try:
-        assert run.wait_rows(1), run.why("the run ended before its step 1")
+        # 2. a slow reward (fully_async): the group being scored is not waited for (a ticket in
+        # flight, regenerated on resume)
+        run = job.resume("SIGTERM during a slow reward", "eval.at_start_and_end=false")
+        job.wait_steps(1)
         scorer.slow.set()
         run.wait_until(scorer.sleeping.is_set, 120, "a reward call in the slow service")
         run.sleep(1.0)
-        run.scan(force=True)
-        t_signal = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        code, err = stopped_within_grace(run, t_signal, STOP_GRACE_S)
-        line = one_stop_line(run, code, err)
-        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", line)
-        assert m, run.why(line)
-        path, state = checkpoint_state(out)
-        assert state["step"] == state["version"] == int(m.group(1)), run.why(path)
+        n = int(stop_line(job, STOP_GRACE_S, stopped_at).group(1))
+        job.check_continued()
+        path, state = checkpoint_state(job.out)
+        assert state["step"] == state["version"] == n, run.why(path)
         scorer.slow.clear()
-        resume_continues(run, args)
-    finally:
-        run.cleanup()
-        scorer.server.shutdown()
 
-
-@pytest.mark.timeout(900)
-def test_sigterm_during_a_checkpoint_write_stops_within_the_grace_period(tiny_model_dir, prompt_file, tmp_path):
-    """The write goes on (a checkpoint is never left half-made), then the stop's own; step N, exact."""
-    out = str(tmp_path / "run")
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=1")
-    run = Launch(MODE, args, out, "SIGTERM during a checkpoint write")
-    root = os.path.join(out, "checkpoints")
-    try:
-        assert run.wait_rows(1), run.why("the run ended before its step 1")
+        # 3. a checkpoint write goes on (a checkpoint is never left half-made), then the stop's own
+        run = job.resume("SIGTERM during a checkpoint write", "trainer.checkpoint_every=1")
+        job.wait_steps(1)
         deadline = time.monotonic() + 120
-        while not any(n.startswith(".tmp-") for n in (os.listdir(root) if os.path.isdir(root) else ())):
+        while not any(name.startswith(".tmp-") for name in os.listdir(root)):
             assert run.proc.poll() is None and time.monotonic() < deadline, run.why("no checkpoint write seen")
             time.sleep(0.002)
-        t_signal = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        run.scan(force=True)
-        code, err = stopped_within_grace(run, t_signal, STOP_GRACE_S)
-        line = one_stop_line(run, code, err)
-        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", line)
-        assert m, run.why(line)
-        n = int(m.group(1))
-        path, state = checkpoint_state(out)
+        n = int(stop_line(job, STOP_GRACE_S, stopped_at).group(1))
+        job.check_continued()
+        path, state = checkpoint_state(job.out)
         assert state["step"] == state["version"] == n and os.path.basename(path) == f"step_{n:06d}", run.why(path)
         assert not [name for name in os.listdir(root) if name.startswith((".tmp-", ".old-"))], run.why("a half-made checkpoint")
-        resume_continues(run, args)
-    finally:
-        run.cleanup()
 
+        # 4. an update longer than the grace period is given up: the signal lands once an odd step j
+        # is logged (update j+1 in flight: fully_async starts it before step j is logged); step j-1
+        # is the last checkpoint (a periodic one, or the one this run resumed from)
+        run = job.resume("SIGTERM during an update longer than the grace period", "trainer.checkpoint_every=2",
+                         f"trainer.min_step_time_s={LONG_UPDATE_S}", f"trainer.stop_grace_s={GIVE_UP_GRACE_S}")
+        j = job.resumed_at + 1 + job.resumed_at % 2
+        job.wait_steps(j - job.resumed_at)
+        m = stop_line(job, GIVE_UP_GRACE_S, r"stopped at step (\d+) without a checkpoint of it \(trainer\.stop_grace_s="
+                      rf"{GIVE_UP_GRACE_S} ran out before it was written\); the last checkpoint is (\S+); resume with: .* "
+                      r"trainer\.resume=latest$")
+        job.check_continued()
+        assert int(m.group(1)) == j and m.group(2) == os.path.join(root, f"step_{j - 1:06d}"), run.why(m.group(0))
+        assert f"trainer.stop_grace_s={GIVE_UP_GRACE_S} nearly over: the update or save in progress is given up" in run.stderr, \
+            run.why("no warning")
+        path, state = checkpoint_state(job.out)
+        assert state["step"] == state["version"] == j - 1, run.why(path)
+        assert job.steps[-1] == j, run.why(f"steps {job.steps}")
 
-@pytest.mark.timeout(900)
-def test_an_update_longer_than_the_grace_period_is_given_up_naming_the_last_checkpoint(tiny_model_dir, prompt_file, tmp_path):
-    """trainer.min_step_time_s=14 against trainer.stop_grace_s=16 (given up after 8 s): update 4, in flight
-    (fully_async starts it before step 3 is logged), is discarded; step_000002 is the last checkpoint."""
-    out = str(tmp_path / "run")
-    args = small_args(tiny_model_dir, prompt_file, out, f"trainer.total_steps={TOTAL}", "trainer.checkpoint_every=2",
-                      "trainer.min_step_time_s=14", "trainer.stop_grace_s=16")
-    run = Launch(MODE, args, out, "SIGTERM during an update longer than the grace period")
-    try:
-        assert run.wait_rows(3), run.why("the run ended before its step 3")
-        run.scan(force=True)
-        t_signal = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGTERM)
-        code, err = stopped_within_grace(run, t_signal, 16)
-        line = one_stop_line(run, code, err)
-        root = os.path.join(out, "checkpoints")
-        expected = (f"stopped at step 3 without a checkpoint of it (trainer.stop_grace_s=16 ran out before it was written); "
-                    f"the last checkpoint is {os.path.join(root, 'step_000002')}; resume with: ")
-        assert line.startswith(expected) and line.endswith("trainer.resume=latest"), run.why(line)
-        assert "trainer.stop_grace_s=16 nearly over: the update or save in progress is given up" in err, run.why("no warning")
-        path, state = checkpoint_state(out)
-        assert state["step"] == state["version"] == 2, run.why(path)
-        assert [r["step"] for r in run.rows(complete_only=False)] == [1, 2, 3], run.why("rows")
-        resume_continues(run, args, "trainer.min_step_time_s=0")
+        job.finish_resumed("trainer.min_step_time_s=0")
     finally:
-        run.cleanup()
+        job.cleanup()
+        scorer.server.shutdown()
