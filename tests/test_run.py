@@ -6,6 +6,7 @@ shared between tests (module-scoped fixtures), since starting actors dominates t
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -285,11 +286,16 @@ def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, pro
         Run(cfg)
 
 
-def test_resume_continues_exactly_like_a_straight_run(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+def copy_of(runs, mode: str, to: str) -> str:
+    """A copy of the `runs` fixture's 3-step run of `mode` (its output_dir becomes `to`), to resume."""
+    shutil.copytree(runs[mode][0], to)
+    return to
+
+
+def test_resume_continues_exactly_like_a_straight_run(runs, tiny_model_dir, prompt_file, tmp_path):
     """sync: 3 steps + resume + 3 steps == 6 straight steps (steps, versions, weights, prompt cursor)."""
-    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    straight, resumed = str(tmp_path / "straight"), copy_of(runs, "sync", str(tmp_path / "resumed"))
     run(small_config("sync", tiny_model_dir, prompt_file, straight, "trainer.total_steps=6"))
-    run(small_config("sync", tiny_model_dir, prompt_file, resumed, "trainer.total_steps=3"))
     run(small_config("sync", tiny_model_dir, prompt_file, resumed, "trainer.total_steps=6", "trainer.resume=latest"))
 
     rows = read_metrics(resumed)
@@ -410,13 +416,12 @@ def test_a_paced_trainer_lets_fully_async_reach_its_staleness_bound(ray_cluster,
     assert rows[-1]["time_s"] - rows[0]["time_s"] >= 6 * 1.0
 
 
-def test_fully_async_resume_loses_no_finished_rollout(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+def test_fully_async_resume_loses_no_finished_rollout(runs, tiny_model_dir, prompt_file, tmp_path):
     """The checkpoint holds the groups queued (and the tickets in flight) at the last step; the
     resumed run puts them back in the queue instead of dropping them, and its counters balance."""
     from async_flowgrpo import checkpoint
 
-    out = str(tmp_path)
-    run(small_config("fully_async", tiny_model_dir, prompt_file, out, "trainer.total_steps=3"))
+    out = copy_of(runs, "fully_async", str(tmp_path / "run"))
     saved = checkpoint.load(os.path.join(out, "checkpoints", "step_000003"))["queue"]
     assert len(saved["queued_groups"]) + len(saved["in_flight_tickets"]) >= 1  # producers run ahead (eta 1)
     assert all(g["latents"].ndim == 5 for g in saved["queued_groups"])  # whole trajectories, not records
