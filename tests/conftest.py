@@ -51,10 +51,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts Ray or other processes, or trains for long (left out of the fast tier)")
 
 
-# The longest modules, longest first (seconds each took in the suite on 2 cores, 2026-11-27). The
-# suite runs on two workers a module at a time (`-n 2 --dist loadfile`), each taking the next module
-# in collection order as it frees up: started last, test_run alone kept one worker busy for minutes
-# after the other had finished. Longest first, both end within a short module of each other.
+# The longest modules, longest first (as measured in the suite on 2 cores, 2026-11-27). The suite
+# runs on two workers a module at a time (`-n 2 --dist loadfile --no-loadscope-reorder`), each
+# taking the next module in collection order as it frees up (xdist's own order, by number of tests,
+# left the two-test cluster-signal module to the end, one worker busy alone for minutes). Longest
+# first, both end within a short module of each other.
 LONGEST_MODULES = ("test_run", "test_cluster_signals", "test_multinode", "test_fault_injection", "test_reward_overlap",
                    "test_wan_run", "test_seqpar", "test_gpu_bench", "test_queue")
 
