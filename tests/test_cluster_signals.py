@@ -74,7 +74,8 @@ class Job:
         self.args = small_args(tiny_model_dir, prompt_file, self.out, f"trainer.total_steps={TOTAL}", *extra)
         self.launches: list[Launch] = []
         self.logged_before = 0  # rows of earlier runs
-        self.resumed_at: int | None = None
+        self.resumed_at: int | None = None  # the step the current run resumed from (check_continued)
+        self.resume_line = self.says = ""  # what the current run must say it resumed from, and `says`
 
     def launch(self, what: str) -> Launch:
         self.launches.append(Launch(MODE, self.args, self.out, what))
