@@ -140,6 +140,19 @@ class Job:
                 run.cleanup()
 
 
+def stop_line(job: Job, grace_s: float, pattern: str) -> re.Match:
+    """SIGTERM to the current run's process group: gone within `grace_s`, one line matching `pattern`."""
+    run = job.run
+    t_signal = time.monotonic()
+    os.killpg(run.proc.pid, signal.SIGTERM)
+    run.scan(force=True)
+    code, err = stopped_within_grace(run, t_signal, grace_s)
+    line = one_stop_line(run, code, err)
+    m = re.match(pattern, line)
+    assert m, job.run.why(line)
+    return m
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("seed", _seeds(default=(0,)))
 def test_a_job_stopped_as_clusters_stop_it_resumes_each_time_with_exact_counts(tiny_model_dir, prompt_file, tmp_path, seed):
@@ -178,12 +191,7 @@ def test_a_job_stopped_as_clusters_stop_it_resumes_each_time_with_exact_counts(t
         run = job.resume(f"SIGTERM to the process group after step {rows} + {delay_s} s (seed {seed})", "trainer.lr=5e-3",
                          says="resume: applying changed settings: trainer.lr 0.01 -> 0.005")
         job.wait_steps(rows, delay_s)
-        t_signal = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGTERM)  # the launcher leads its own group (Launch: a new session)
-        code, err = stopped_within_grace(run, t_signal)
-        line = one_stop_line(run, code, err)
-        m = re.match(r"stopped at step (\d+); resume with: .* trainer\.resume=latest$", line)
-        assert m, run.why(f"not a stop with a checkpoint of its step: {line!r}")
+        m = stop_line(job, GRACE_S, r"stopped at step (\d+); resume with: .* trainer\.resume=latest$")
         job.check_continued()
         path, state = checkpoint_state(job.out)
         n = int(m.group(1))
@@ -237,19 +245,6 @@ def evaluation_time_s(args: list[str], steps: int = 4) -> float:
     per_step = (stamps[steps] - stamps[1]) / (steps - 1)  # between denoising steps, the first (warm-up) left out
     calls = -(-len(load_prompts(cfg.eval.prompts)) // PROMPTS_PER_CALL)
     return per_step * cfg.eval.num_steps * calls
-
-
-def stop_line(job: Job, grace_s: float, pattern: str) -> re.Match:
-    """SIGTERM to the current run's process group: gone within `grace_s`, one line matching `pattern`."""
-    run = job.run
-    t_signal = time.monotonic()
-    os.killpg(run.proc.pid, signal.SIGTERM)
-    run.scan(force=True)
-    code, err = stopped_within_grace(run, t_signal, grace_s)
-    line = one_stop_line(run, code, err)
-    m = re.match(pattern, line)
-    assert m, job.run.why(line)
-    return m
 
 
 @pytest.mark.timeout(900)
