@@ -151,6 +151,8 @@ def parse_args(argv):
                     help="LoRA trainer rows, comma-separated micro-batch sizes, 'c' = gradient checkpointing on")
     ap.add_argument("--skip-fused", action="store_true", help="no folded-LoRA rollout measurement")
     ap.add_argument("--train-only", action="store_true", help="only the LoRA trainer rows, on one generated batch")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile one train step of each trainer row: device-busy vs wall time, time by kernel class")
     ap.add_argument("--skip-full", action="store_true", help="no full fine-tuning measurement")
     ap.add_argument("--autocast-ab", action="store_true", help="only: the LoRA policy with and without autocast, interleaved")
     ap.add_argument("--skip-embedded", action="store_true", help="no embedded-default loop")
@@ -475,9 +477,57 @@ def measure_train_rows(args, learner, groups, device, peaks, result, save) -> No
             model_flops = result[key]["model_flops_per_step"]
             log(f"{key}: {result[key]['images_per_s']} trained images/s, {result[key].get('tflops')} TFLOP/s, "
                 f"peak {result[key]['peak_memory_gb']} GB")
+            if args.profile:
+                try:
+                    result[key]["profile"] = profile_step(lambda: learner.train_step(groups, version=0), device)
+                    log(f"{key} profile: {result[key]['profile']['summary']}")
+                except Exception as e:  # noqa: BLE001  (a profiler failure must not cost the rows after it)
+                    result[key]["profile"] = {"error": f"{type(e).__name__}: {e}"}
         except torch.OutOfMemoryError as e:
             result[key] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         save()
+
+
+# Kernel classes for the profile, matched on lower-cased kernel names (first match wins).
+KERNEL_CLASSES = (("attention", ("flash", "fmha", "attention", "sdpa", "mha", "softmax")),
+                  ("gemm", ("gemm", "matmul", "cutlass", "sm90_xmma", "nvjet", "cublas", "wgmma")),
+                  ("norm", ("norm",)),
+                  ("elementwise", ("elementwise", "vectorized", "unrolled", "copy", "fill", "cat", "index", "reduce")))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def profile_step(fn, device: torch.device, top: int = 15) -> dict:
+    """One profiled call of fn: wall time, time the device spent in kernels (the rest is host
+    gaps: launches, Python, syncs), that kernel time by class, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_class: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        us = e.device_time  # microseconds (device_time_total would double-count nested events)
+        by_class[kernel_class(e.name)] = by_class.get(kernel_class(e.name), 0.0) + us
+        by_name[e.name] = by_name.get(e.name, 0.0) + us
+    busy = sum(by_class.values()) / 1e6
+    top_kernels = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
+    out = {"wall_s": round(wall, 3), "kernel_s": round(busy, 3), "kernels": len(kernels),
+           "kernel_share_of_wall": round(busy / wall, 3) if wall else None,
+           "by_class_s": {k: round(v / 1e6, 3) for k, v in sorted(by_class.items(), key=lambda kv: -kv[1])},
+           "top_kernels_s": [[name[:120], round(us / 1e6, 4)] for name, us in top_kernels]}
+    out["summary"] = (f"wall {out['wall_s']} s, kernels {out['kernel_s']} s ({out['kernel_share_of_wall']}), "
+                      f"{out['by_class_s']}")
+    return out
 
 
 @contextlib.contextmanager

@@ -153,3 +153,16 @@ def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, t
     row = result["train_lora_micro2"]
     assert "CUBLAS_STATUS_EXECUTION_FAILED" in row["error"] and "train_only" in result["errors"]
     assert row["last_linear"]["name"] and len(row["last_linear"]["input"]) == 3
+
+
+def test_profile_sorts_kernels_into_classes_and_reports_host_time(gpu):
+    """--profile's step summary: kernel names land in their class, and on a device without kernels
+    the whole step is host time (kernel share 0), not an error."""
+    assert gpu.kernel_class("void pytorch_flash::flash_bwd_kernel<...>") == "attention"
+    assert gpu.kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert gpu.kernel_class("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
+    assert gpu.kernel_class("void at::native::(anonymous namespace)::layer_norm_kernel") == "norm"
+    assert gpu.kernel_class("some_custom_kernel") == "other"
+    x = torch.randn(64, 64)
+    out = gpu.profile_step(lambda: x @ x, torch.device("cpu"))
+    assert out["wall_s"] > 0 and out["kernel_s"] == 0 and out["kernel_share_of_wall"] == 0
