@@ -4,8 +4,9 @@ arrived, so a reward model on a GPU runs at a useful batch size. Plain code: no 
 
 Each caller (one thread per call, the actor's concurrency) adds its group and waits. Whoever sees
 the batch full, or its own wait over, takes the groups waiting (oldest first, up to batch_size
-images: at least one group) and scores them; every caller gets its own group's result. A group is
-in exactly one batch, so it is scored once.
+images: at least one group) and scores them; every caller gets its own group's result, and returns
+as soon as it has it (a group that arrived meanwhile is its own caller's to score, at its own
+`wait_s`). A group is in exactly one batch, so it is scored once.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class Batcher:
         self.score_many, self.batch_size, self.wait_s, self._clock = score_many, batch_size, wait_s, clock
         self._cond = threading.Condition()
         self._waiting: deque[_Request] = deque()
-        self.batches: list[int] = []  # groups per batch scored, for tests and stats
 
     def submit(self, item: Any, size: int) -> Any:
         """Score `item` (`size` images) in a batch; returns its result or raises its error."""
@@ -41,13 +41,12 @@ class Batcher:
         with self._cond:
             self._waiting.append(request)
             self._cond.notify_all()  # the batch may be full now
-        while True:
+        while True:  # until its own group is scored (by this caller or another), and not one batch more
             with self._cond:
-                batch = self._take_ready(deadline)
-                while batch is None and not request.done.is_set():
+                batch = None
+                while not request.done.is_set() and (batch := self._take_ready(deadline)) is None:
                     remaining = deadline - self._clock()
                     self._cond.wait(timeout=remaining if remaining > 0 else None)
-                    batch = self._take_ready(deadline)
             if batch is None:
                 break
             self._score(batch)
@@ -65,7 +64,6 @@ class Batcher:
         batch = [self._waiting.popleft()]
         while self._waiting and sum(r.size for r in batch) + self._waiting[0].size <= self.batch_size:
             batch.append(self._waiting.popleft())
-        self.batches.append(len(batch))
         return batch
 
     def _score(self, batch: list[_Request]) -> None:
