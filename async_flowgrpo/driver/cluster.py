@@ -225,6 +225,14 @@ def sync_device(cfg: Config) -> str | None:
     return "cpu" if fractional and cfg.sync.transport == "collective" else None
 
 
+def reward_concurrency(cfg: Config) -> int:
+    """The calls one reward actor takes at once: all that the rollout workers can send together
+    (each takes the actors in turn, all from the first), so that none waits inside the actor on
+    another's and spends its reward.timeout_s there. reward.overlap=false: one group per worker."""
+    w = cfg.reward
+    return (w.max_pending if w.overlap else 1) * cfg.rollout.num_workers
+
+
 def _bundle(role) -> dict:
     """One actor's bundle: its CPUs, GPUs and custom resources (which pick the node it lands on)."""
     gpus = {"GPU": role.gpus_per_worker} if role.gpus_per_worker else {}
@@ -273,9 +281,8 @@ class Cluster:
             for i in range(t.num_workers)
         ]
         w = cfg.reward
-        concurrency = w.max_pending * r.num_workers if w.overlap else 1
         self.reward_actors = (make_reward_pool(w.num_workers, w.weights, w.options, w.cpus_per_worker, w.gpus_per_worker,
-                                               w.resources, concurrency, w.batch_size, w.batch_wait_s)
+                                               w.resources, reward_concurrency(cfg), w.batch_size, w.batch_wait_s)
                               if w.num_workers else [])
         self.rollouts = [
             self.rollout_actor.options(name=rollout_actor_name(t.output_dir, i), **self._placed(i, r)).remote(
