@@ -1,0 +1,110 @@
+"""Flow-GRPO and DiffusionNFT give the numbers they gave before they moved into
+async_flowgrpo/algorithms/: the same metrics, the same accumulated gradient of every optimizer step
+(taken where the data-parallel reduce would see it) and the same weights after, on the tiny SD3 with
+CFG, built from a config by `build_learner`. Tensors are compared by their sum, sum of squares and
+first entries (`_digest`).
+
+tests/data/algorithm_pin.pt was written by `python tests/test_algorithm_pin.py --write` from the
+code before the move (commit 77b32f6); rewrite it only for a change meant to move these numbers.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from async_flowgrpo import algo
+from async_flowgrpo.builders import build_learner
+from async_flowgrpo.config import load_config
+from async_flowgrpo.sampling import rollout_sampling
+
+PIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "algorithm_pin.pt")
+PROMPTS = ["a red circle", "a blue square"]
+
+
+def _config(model_dir, *args):
+    return load_config("sync", [f"model.path={model_dir}", "model.lora_rank=4", "model.lora_alpha=8",
+                                "rollout.num_steps=5", "rollout.sde_window_size=3", "rollout.sde_window_range=[0,4]",
+                                "rollout.group_size=4", "rollout.groups_per_step=2",
+                                "rollout.guidance_scale=4.5", "trainer.lr=1e-3", "trainer.micro_batch_size=3",
+                                "trainer.mini_batches=2", "trainer.output_dir=/tmp/unused", *args])
+
+
+def _groups(learner, cfg, seed):
+    sampling = {k: v for k, v in rollout_sampling(cfg.rollout).items()}
+    groups = learner.policy.generate(PROMPTS, cfg.rollout.group_size, seed=seed, **sampling)
+    rewards = torch.cat([g.images.float().mean(dim=(1, 2, 3)) / 255 for g in groups])
+    adv, _ = algo.group_advantages(rewards, torch.arange(len(groups)).repeat_interleave(cfg.rollout.group_size))
+    n = cfg.rollout.group_size
+    for k, g in enumerate(groups):
+        g.rewards, g.advantages = rewards[n * k : n * (k + 1)], adv[n * k : n * (k + 1)]
+    return groups
+
+
+def _run(cfg, steps):
+    """`steps` train_steps; a batch's every group is one version behind (stale by one) from the second on."""
+    grads = []
+    learner = build_learner(cfg, grad_all_reduce=lambda params: grads.append([p.grad.detach().clone() for p in params]))
+    metrics = []
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        groups = _groups(learner, cfg, seed=step)
+        for g in groups:
+            if g.log_probs.numel():  # behaviour log-probs a little off the trainer's: w != 1
+                g.log_probs = g.log_probs - 1e-3 * torch.arange(g.log_probs.shape[1])
+        torch.manual_seed(200 + step)
+        metrics.append(learner.train_step(groups, version=step + 1 if step else 0))
+    state = learner.policy.trainable_state()
+    return {"metrics": metrics, "grads": [torch.stack([_digest(g) for g in call]) for call in grads],
+            "state": torch.stack([_digest(state[k]) for k in sorted(state)])}
+
+
+def _digest(t):
+    """A tensor's sum, sum of squares and first 4 entries (float64): a small file that still moves
+    with any entry."""
+    flat = t.detach().double().flatten()
+    return torch.cat([flat.sum()[None], (flat**2).sum()[None], flat[:4]])
+
+
+# the keys as they were named before the move (they still work)
+CASES = {
+    "flow_grpo": ["algorithm.beta=0.04"],
+    # the old copy moves from the first update on (decay 0.3, then 0.6), so v_old != v_theta
+    "diffusion_nft": ["algorithm.name=diffusion_nft", "rollout.guidance_scale=4.5", "algorithm.beta=0.01",
+                      "trainer.lr=1e-3", "algorithm.nft_decay_start=0", "algorithm.nft_decay_rate=0.3"],
+}
+
+
+def _case(model_dir, name):
+    torch.manual_seed(0)
+    return _run(_config(model_dir, *CASES[name]), steps=2)
+
+
+@pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft"])
+def test_numbers_unchanged_by_the_move(tiny_model_dir, name):
+    pinned = torch.load(PIN)[name]
+    got = _case(tiny_model_dir, name)
+    assert len(got["metrics"]) == len(pinned["metrics"])
+    for m, p in zip(got["metrics"], pinned["metrics"]):
+        keys = p.keys() - {"train/time_s"}
+        assert keys <= m.keys()
+        for k in keys:
+            assert m[k] == pytest.approx(p[k], rel=1e-5, abs=1e-7), k
+    assert len(got["grads"]) == len(pinned["grads"])
+    for call, (g, p) in enumerate(zip(got["grads"], pinned["grads"])):
+        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-9, msg=lambda m: f"optimizer step {call}: {m}")
+    torch.testing.assert_close(got["state"], pinned["state"], rtol=1e-5, atol=1e-9)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
+    import tempfile
+
+    from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model_dir(tmp)
+        os.makedirs(os.path.dirname(PIN), exist_ok=True)
+        torch.save({name: _case(model_dir, name) for name in CASES}, PIN)
+    print(f"wrote {PIN}")
