@@ -36,8 +36,10 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "geneval": "async_flowgrpo.rewards.remote:geneval",
     "temporal_consistency": "async_flowgrpo.rewards.video:temporal_consistency",
     "remote_video": "async_flowgrpo.rewards.remote:remote_video",
+    "vlm_judge": "async_flowgrpo.rewards.vlm_judge:vlm_judge",
+    "vlm_judge_video": "async_flowgrpo.rewards.vlm_judge:vlm_judge_video",
 }
-_VIDEO_REWARDS = {"temporal_consistency", "remote_video"}  # names whose callables take videos [n, F, H, W, 3]
+_VIDEO_REWARDS = {"temporal_consistency", "remote_video", "vlm_judge_video"}  # names whose callables take videos [n, F, H, W, 3]
 FRAMES_PREFIX = "frames_"  # frames_<image reward>: that reward averaged over a video's frames
 
 
@@ -104,6 +106,12 @@ def check_options(name: str, options: dict) -> None:
         choices = typing.get_args(hints.get(key)) if typing.get_origin(hints.get(key)) is typing.Literal else ()
         if choices and value not in choices:
             raise ValueError(f"reward '{name}' option {key} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    check = getattr(entry, "check_options", None)  # a reward's own rule across options (remote: pickle opt-in)
+    if check is not None:
+        try:
+            check(dict(options))
+        except ValueError as e:
+            raise ValueError(f"reward '{name}': {e}") from None
 
 
 def get_reward(name: str, **options) -> RewardFn:

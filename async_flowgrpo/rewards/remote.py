@@ -16,6 +16,17 @@ Several groups are scored at once (the rollout worker's scoring threads, a rewar
 each thread keeps its connection to the server open between requests, and at most
 `max_concurrency` requests per URL are in flight from one process.
 
+The flow_grpo reward server's protocol (`protocol: flow_grpo`; the GenEval, OCR and DeQA servers
+of github.com/yifan123/reward-server, unchanged):
+Request:  POST <url>, a pickled dict {"images": [JPEG bytes]*n, "meta_datas": [dict]*n,
+          "only_strict": bool} (JPEG at PIL's default quality, as flow_grpo sends them).
+Response: a pickled dict of lists; `score_key` ("scores" for GenEval, "outputs" for DeQA) is the
+          reward, every other list of n numbers a component as above (GenEval's "rewards",
+          "strict_rewards"); nested dicts (its per-tag "group_rewards") are ignored.
+The answer is unpickled only when `allow_pickle` is on, and then only through a restricted
+unpickler (`safe_pickle`: containers, numbers, strings, numpy arrays; any other class is refused
+with one line and never imported). Images only (a video reward uses the JSON protocol).
+
 Keyword options (`reward.options.<name>`):
     url         the endpoint (or the env var: $ASYNC_FLOWGRPO_REMOTE_URL, _OCR_URL, _GENEVAL_URL,
                 _REMOTE_VIDEO_URL)
@@ -24,11 +35,16 @@ Keyword options (`reward.options.<name>`):
     backoff_s   first backoff (default 1.0)
     headers     extra HTTP headers, e.g. {"Authorization": "Bearer ..."}
     max_concurrency  requests to the URL in flight at once from one process (default 8)
+    protocol    "json" (default) | "flow_grpo"
+    allow_pickle  flow_grpo only: unpickle the server's answer (restricted; default false, required)
+    score_key   flow_grpo only: the response's key holding the scores (default "scores")
+    only_strict  flow_grpo only: sent as the request's "only_strict" (default true, as flow_grpo trains)
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import http.client
 import io
 import json
@@ -39,10 +55,12 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 from PIL import Image
+
+from async_flowgrpo.rewards.safe_pickle import restricted_loads
 
 ENV_REMOTE = "ASYNC_FLOWGRPO_REMOTE_URL"
 ENV_OCR = "ASYNC_FLOWGRPO_OCR_URL"
@@ -80,6 +98,19 @@ def _payload(samples: torch.Tensor, prompts: list, metadata: list) -> bytes:
                          else [encode_png(img) for img in arrays]),
     }
     return json.dumps(body, default=str).encode("utf-8")
+
+
+def _flow_grpo_payload(images: torch.Tensor, metadata: list, only_strict: bool) -> bytes:
+    """The flow_grpo reward server's request: a pickle of plain data (we send, never load, it)."""
+    import pickle
+
+    jpegs = []
+    for image in images.detach().cpu().numpy():
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="JPEG")
+        jpegs.append(buf.getvalue())
+    body = {"images": jpegs, "meta_datas": [dict(m) if m is not None else {} for m in metadata], "only_strict": bool(only_strict)}
+    return pickle.dumps(body, protocol=4)
 
 
 def _is_number(x) -> bool:
@@ -200,6 +231,31 @@ def _parse(url: str, raw: bytes, n: int, name: str, kind: str = "images") -> dic
         body = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RemoteRewardError(f"{url}: malformed response (not JSON: {e}): {raw[:80]!r}") from None
+    return _scores(url, body, n, name, kind)
+
+
+def _parse_flow_grpo(url: str, raw: bytes, n: int, name: str, score_key: str) -> dict:
+    """The flow_grpo server's pickled answer, through the restricted unpickler, as _parse's body."""
+    import numpy as np
+
+    try:
+        body = restricted_loads(raw)
+    except Exception as e:  # a refused class, a truncated or broken pickle: one line, nothing imported
+        raise RemoteRewardError(f"{url}: malformed response (pickle: {type(e).__name__}: {e})") from None
+    if not isinstance(body, dict) or score_key not in body:
+        keys = sorted(map(str, body)) if isinstance(body, dict) else type(body).__name__
+        raise RemoteRewardError(f"{url}: malformed response: no '{score_key}' list (got {keys}); set score_key")
+
+    def plain(value):  # numpy arrays and scalars as the Python lists and numbers _scores checks
+        value = value.tolist() if isinstance(value, (np.ndarray, np.generic)) else value
+        return [v.item() if isinstance(v, np.generic) else v for v in value] if isinstance(value, list) else value
+
+    out = {str(k): plain(v) for k, v in body.items() if k != score_key and k != "scores"}
+    out["scores"] = plain(body[score_key])
+    return _scores(url, out, n, name, "images")
+
+
+def _scores(url: str, body, n: int, name: str, kind: str) -> dict:
     if not isinstance(body, dict) or "scores" not in body:
         keys = sorted(body) if isinstance(body, dict) else type(body).__name__
         raise RemoteRewardError(f"{url}: malformed response: no 'scores' list (got {keys})")
@@ -220,6 +276,22 @@ def _parse(url: str, raw: bytes, n: int, name: str, kind: str = "images") -> dic
     return out
 
 
+Protocol = Literal["json", "flow_grpo"]
+
+
+def check_protocol(options: dict) -> None:
+    """Config-time check (`rewards.check_options`): the flow_grpo protocol answers with a pickle,
+    loaded only when the user turned allow_pickle on; its other options need that protocol."""
+    if options.get("protocol", "json") == "flow_grpo":
+        if options.get("allow_pickle") is not True:
+            raise ValueError("protocol flow_grpo answers with a pickle: set allow_pickle: true to unpickle it "
+                             "(restricted to containers, numbers, strings and numpy arrays)")
+    else:
+        given = sorted({"allow_pickle", "score_key", "only_strict"} & set(options))
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to protocol: flow_grpo only")
+
+
 def remote_reward(
     images: torch.Tensor,
     prompts: list,
@@ -233,6 +305,10 @@ def remote_reward(
     name: str = "remote",
     env: str = ENV_REMOTE,
     max_concurrency: int = 8,
+    protocol: Protocol = "json",
+    allow_pickle: bool = False,
+    score_key: str = "scores",
+    only_strict: bool = True,
 ) -> dict:
     """POST the batch (images [n, H, W, 3] or videos [n, F, H, W, 3]) to `url`; returns
     {"score": [n], "<name>/<component>": [n], ...}, one value per image or video."""
@@ -243,43 +319,61 @@ def remote_reward(
         raise RemoteRewardError(f"{name}: url must start with http:// or https://, got '{url}'")
     if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0 or int(max_concurrency) < 1:
         raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1")
+    if protocol not in ("json", "flow_grpo"):
+        raise ValueError(f"{name}: protocol must be json or flow_grpo, got {protocol!r}")
+    if protocol == "flow_grpo" and allow_pickle is not True:
+        raise RemoteRewardError(f"{name}: protocol flow_grpo answers with a pickle: set reward.options.{name}.allow_pickle=true")
     n, kind = images.shape[0], _kind(images)
     if len(prompts) != n or len(metadata) != n:
         raise ValueError(f"{name}: {len(prompts)} prompts / {len(metadata)} metadata for {n} {kind}")
+    if protocol == "flow_grpo" and kind == "videos":
+        raise ValueError(f"{name}: protocol flow_grpo sends images; videos go over the json protocol")
     if n == 0:
         return {"score": torch.zeros(0)}
-    raw = _post(str(url), _payload(images, prompts, metadata), dict(headers or {}), float(timeout_s), int(retries),
-                float(backoff_s), int(max_concurrency))
+    post = functools.partial(_post, str(url), timeout_s=float(timeout_s), retries=int(retries), backoff_s=float(backoff_s),
+                             max_concurrency=int(max_concurrency))
+    if protocol == "flow_grpo":
+        pickled = {"Content-Type": "application/octet-stream", "Accept": "*/*"}
+        raw = post(_flow_grpo_payload(images, metadata, only_strict), {**pickled, **dict(headers or {})})
+        return _parse_flow_grpo(str(url), raw, n, name, str(score_key))
+    raw = post(_payload(images, prompts, metadata), dict(headers or {}))
     return _parse(str(url), raw, n, name, kind)
 
 
 def remote(
     images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None, name="remote",
-    max_concurrency=8,
+    max_concurrency=8, protocol: Protocol = "json", allow_pickle=False, score_key="scores", only_strict=True,
 ) -> dict:
     """Generic HTTP reward: url from the option or $ASYNC_FLOWGRPO_REMOTE_URL; components "<name>/<key>"."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name=name, env=ENV_REMOTE, max_concurrency=max_concurrency,
+        headers=headers, name=name, env=ENV_REMOTE, max_concurrency=max_concurrency, protocol=protocol,
+        allow_pickle=allow_pickle, score_key=score_key, only_strict=only_strict,
     )
 
 
 def ocr(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
-        max_concurrency=8) -> dict:
+        max_concurrency=8, protocol: Protocol = "json", allow_pickle=False, score_key="scores", only_strict=True) -> dict:
     """An OCR reward server: url from the option or $ASYNC_FLOWGRPO_OCR_URL."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name="ocr", env=ENV_OCR, max_concurrency=max_concurrency,
+        headers=headers, name="ocr", env=ENV_OCR, max_concurrency=max_concurrency, protocol=protocol,
+        allow_pickle=allow_pickle, score_key=score_key, only_strict=only_strict,
     )
 
 
 def geneval(images, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
-        max_concurrency=8) -> dict:
+            max_concurrency=8, protocol: Protocol = "json", allow_pickle=False, score_key="scores", only_strict=True) -> dict:
     """A GenEval reward server: url from the option or $ASYNC_FLOWGRPO_GENEVAL_URL."""
     return remote_reward(
         images, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
-        headers=headers, name="geneval", env=ENV_GENEVAL, max_concurrency=max_concurrency,
+        headers=headers, name="geneval", env=ENV_GENEVAL, max_concurrency=max_concurrency, protocol=protocol,
+        allow_pickle=allow_pickle, score_key=score_key, only_strict=only_strict,
     )
+
+
+for _fn in (remote, ocr, geneval):
+    _fn.check_options = check_protocol
 
 
 def remote_video(videos, prompts, metadata, *, url=None, timeout_s=60.0, retries=2, backoff_s=1.0, headers=None,
