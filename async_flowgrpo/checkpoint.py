@@ -227,12 +227,18 @@ class Checkpointer:
         first = [p for p in steps if os.path.basename(p) == named]
         return first + [p for p in steps if p not in first]
 
-    def find(self, resume: str) -> tuple[str, dict]:
-        """Resolve trainer.resume ("latest" or a directory) to a checkpoint that passes its checks;
-        returns (path, state.json contents). "latest" falls back past broken ones, one warning each."""
-        if resume != "latest":
+    def find(self, resume: str) -> tuple[str | None, dict]:
+        """Resolve trainer.resume ("latest", "auto" or a directory) to a checkpoint that passes its
+        checks; returns (path, state.json contents). "latest" falls back past broken ones, one
+        warning each. "auto" is "latest" where a checkpoint exists, else (None, {}): start fresh,
+        said in one line. (A checkpoint that exists but cannot be read is an error for both: a run
+        must not quietly restart from step 0 over one.)"""
+        if resume not in ("latest", "auto"):
             return resume, check(resume)
         candidates = self.candidates()
+        if not candidates and resume == "auto":
+            logger.info("trainer.resume=auto: no checkpoint under %s; starting fresh", self.root)
+            return None, {}
         if not candidates:
             raise CheckpointError(f"trainer.resume=latest: no checkpoint under {self.root}")
         errors = []
@@ -243,7 +249,7 @@ class Checkpointer:
                 errors.append(str(e))
                 if i + 1 < len(candidates):  # (the last one's error is the exception's message)
                     logger.warning("%s; falling back to %s", e, candidates[i + 1])
-        raise CheckpointError(f"trainer.resume=latest: no usable checkpoint under {self.root} (newest: {errors[0]})")
+        raise CheckpointError(f"trainer.resume={resume}: no usable checkpoint under {self.root} (newest: {errors[0]})")
 
 
 def check(path: str) -> dict:

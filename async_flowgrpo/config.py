@@ -92,7 +92,9 @@ class TrainerConfig:
     resources: dict[str, float] = field(default_factory=dict)  # as rollout.resources, e.g. {trainer_node: 1}
     total_steps: int = 100
     output_dir: str = "outputs/run"
-    resume: Optional[str] = None  # a checkpoint dir or "latest"
+    # a checkpoint dir, "latest" (the newest usable one; none: exit 2) or "auto" (the newest if there is
+    # one, else start fresh, saying so in one line: for a job script that a scheduler requeues)
+    resume: Optional[str] = None
     seed: int = 42
     lr: float = 3e-4
     # the lr over the run: constant | cosine | linear decay from lr to lr * lr_min_ratio at total_steps,
@@ -449,7 +451,7 @@ def validate(c: Config) -> None:
         "trainer.mini_batches",
         f"{per_worker} samples per trainer are not divisible into {t.mini_batches} mini-batches",
     )
-    if t.resume is not None and t.resume != "latest":
+    if t.resume is not None and t.resume not in ("latest", "auto"):
         _require(os.path.isdir(t.resume), "trainer.resume", f"not a directory: {t.resume}")
 
     a = c.algorithm

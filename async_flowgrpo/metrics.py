@@ -3,7 +3,9 @@
 One `RunLogger` lives in the driver. It owns the run's output directory (DESIGN §6):
 
     <output_dir>/config.yaml     the resolved config
-    <output_dir>/metrics.jsonl   one JSON object per trainer step (append mode: a resumed run continues it)
+    <output_dir>/metrics.jsonl   one JSON object per trainer step (append mode: a resumed run continues it;
+                                 each line is written whole, and a torn last line, from a crash
+                                 mid-write, is dropped when the file is opened again)
     <output_dir>/samples/        PNG grids of rollout / eval images
     <output_dir>/checkpoints/    written by the trainer, created here so it always exists
     <output_dir>/summary.json    the end-of-run summary
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import sys
@@ -30,6 +33,8 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 from async_flowgrpo.config import Config, to_yaml
+
+logger = logging.getLogger(__name__)
 
 # --------------------------------------------------------------------------------------------
 # Combining metrics across trainer ranks
@@ -263,6 +268,53 @@ def make_grid(
 
 
 # --------------------------------------------------------------------------------------------
+# JSON lines that stay JSON lines
+# --------------------------------------------------------------------------------------------
+
+
+def drop_torn_line(path: str) -> None:
+    """Cut a partial last line (a crash or a full disk in the middle of writing it), so that the
+    rows appended next start on a line of their own and the file reads as JSON lines (pandas, jq)."""
+    try:
+        f = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with f:
+        size = end = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return
+        while end > 0:  # back to the last newline, a block at a time
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            if start + len(block) == size and block.endswith(b"\n"):
+                return  # whole
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+        f.truncate(end)
+    logger.warning("%s: dropped a torn last line (%d bytes, cut off by a crash while it was written)", path, size - end)
+
+
+def append_whole_line(fd: int, line: str) -> None:
+    """Append `line` and a newline to the O_APPEND file `fd`, all of it or none: a write that fails
+    part-way (disk full, a quota, a signal) is cut back off before the error goes on."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    size = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except BaseException:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass  # the error being raised says more; the next open drops the torn line
+        raise
+
+
+# --------------------------------------------------------------------------------------------
 # The run logger
 # --------------------------------------------------------------------------------------------
 
@@ -318,7 +370,8 @@ class RunLogger:
 
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         # Append: a resumed run continues the same file (readers take the last line per step).
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        drop_torn_line(self.metrics_path)
+        self._jsonl = os.open(self.metrics_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
         self._wandb: Any = None
         if config.logging.wandb_mode != "disabled":
@@ -349,8 +402,7 @@ class RunLogger:
         row: dict[str, Any] = {k: _json_value(v) for k, v in metrics.items() if k != "step"}
         row.setdefault("time_s", time.monotonic() - self._start)
         line = json.dumps({"step": int(step), **dict(sorted(row.items()))}, allow_nan=False)
-        self._jsonl.write(line + "\n")
-        self._jsonl.flush()  # one line per step survives a crash of the driver
+        append_whole_line(self._jsonl, line)  # one line per step survives a crash of the driver
 
         numeric = {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         for k, v in numeric.items():
@@ -461,7 +513,7 @@ class RunLogger:
             return
         self._closed = True
         self._bar.close()
-        self._jsonl.close()
+        os.close(self._jsonl)
         if self._wandb is not None:
             self._wandb.finish()
 

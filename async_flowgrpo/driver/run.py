@@ -445,6 +445,8 @@ class Run:
             return {}
         try:
             path, _ = self.checkpointer.find(resume)
+            if path is None:  # trainer.resume=auto with no checkpoint yet: a fresh start
+                return {}
             state = checkpoint.load(path)
         except CheckpointError as e:
             raise RunError(str(e)) from None
