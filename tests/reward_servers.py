@@ -22,13 +22,17 @@ class _Server:
 
     def __init__(self, handle: Callable[[str, bytes], tuple[int, str, bytes]]):
         self.requests: list = []
+        self.headers: list = []
         self.lock = threading.Lock()
+        server = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with server.lock:
+                    server.headers.append({k.lower(): v for k, v in self.headers.items()})
                 status, ctype, data = handle(self.path, body)
                 try:
                     self.send_response(status)
