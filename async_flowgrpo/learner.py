@@ -9,11 +9,12 @@ loss is scaled by (its rows) / (rows in the chunk), so the accumulated gradient 
 mean over (sample, step) pairs, whatever the micro-batch size. The calls stop at the chunk's half
 (in samples), where the gradient so far is the first half's (grad/half_cos).
 
-Data parallelism: `grad_all_reduce(params)` is called once per optimizer step, after
-accumulation and before clipping, with the trainable parameters, every one of which has a .grad
-(zeros where unused) so that all ranks reduce the same list; it must average the .grad tensors in
-place across the data-parallel ranks. With equally sized shards this makes M ranks on a split
-batch equal one rank on the whole batch. A non-finite gradient on any rank becomes non-finite on
+Data parallelism: `grad_all_reduce(params)` is called once per optimizer step (`reduce_grads`),
+after accumulation and before clipping, with the trainable parameters; it must average the .grad
+tensors in place across the data-parallel ranks. A parameter that no backward on this rank reached
+comes with .grad None: the reduce must count it as zeros where another rank reached it and leave
+it None where no rank did (seqpar.all_reduce_grads), so that every rank skips the same ones. With
+equally sized shards this makes M ranks on a split batch equal one rank on the whole batch. A non-finite gradient on any rank becomes non-finite on
 all of them after the reduce, so every rank skips that step together.
 """
 
@@ -38,6 +39,20 @@ PROX_MODES = ("recompute", "bypass")
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def reduce_grads(params: list[nn.Parameter], grad_all_reduce: Callable[[list[nn.Parameter]], None] | None) -> None:
+    """Every learner's gradients before clipping and the optimizer step. A parameter that no backward
+    reached (a Wan2.2 expert without rows in the mini-batch) keeps .grad None, so AdamW leaves it
+    alone: a zero gradient would still move it (its momentum, weight decay) and count a step.
+    Sharded (FSDP, whose reduce-scatter ran inside backward), each gets zeros as before: two-expert
+    models are not sharded (config.validate)."""
+    if any(isinstance(p, DTensor) for p in params):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+    if grad_all_reduce is not None:
+        grad_all_reduce(params)
 
 
 def grad_cosine(a: list[Tensor], b: list[Tensor]) -> float:
@@ -275,13 +290,10 @@ class Learner:
                 if at_start is not None and bool(fresh.any()):  # a CPU tensor: no device sync
                     fresh_diffs.append((at_start - behav).abs()[fresh.to(dev)].max())
 
-            for p in self.params:
-                if p.grad is None:  # unused this mini-batch (or the first backward left none)
-                    p.grad = torch.zeros_like(p)
             if first_half is not None:  # this rank's two halves: different prompts, same weights
-                half_cos.append(grad_cosine(first_half, [p.grad - g for p, g in zip(self.params, first_half)]))
-            if self.grad_all_reduce is not None:
-                self.grad_all_reduce(self.params)
+                second_half = [torch.zeros_like(g) if p.grad is None else p.grad - g for p, g in zip(self.params, first_half)]
+                half_cos.append(grad_cosine(first_half, second_half))
+            reduce_grads(self.params, self.grad_all_reduce)
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
             grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # DTensor under FSDP
             if not (math.isfinite(grad_norm) and bool(torch.isfinite(mb_pg + mb_kl))):
@@ -296,8 +308,7 @@ class Learner:
                 weights += mb_weights
                 log_ws += mb_log_w
             # set_to_none: the next mini-batch's first backward writes its gradient instead of
-            # adding it to zeros (no memset of every grad, no extra read); the loop above still
-            # gives every parameter a .grad before the reduce, so the math is unchanged
+            # adding it to zeros (no memset of every grad, no extra read)
             self.optimizer.zero_grad(set_to_none=True)
 
         metrics = self._batch_metrics(groups, version)

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from async_flowgrpo import algo
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.learner import Learner, _cpu_copy, set_lr
+from async_flowgrpo.learner import Learner, _cpu_copy, reduce_grads, set_lr
 from async_flowgrpo.types import Group
 
 
@@ -227,11 +227,7 @@ class NFTLearner:
                 mb_loss = mb_loss + loss.detach().sum()
                 mb_dev = mb_dev + ((v.detach() - old) ** 2).flatten(1).mean(1).sum()
 
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            if self.grad_all_reduce is not None:
-                self.grad_all_reduce(self.params)
+            reduce_grads(self.params, self.grad_all_reduce)  # an expert without points is not stepped
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
             if not (math.isfinite(grad_norm) and bool(torch.isfinite(mb_loss + mb_kl))):
                 skipped += 1  # a NaN/inf update would poison the weights for good: drop it
@@ -242,7 +238,7 @@ class NFTLearner:
                 loss_sum, kl_sum, deviation_sum = loss_sum + mb_loss, kl_sum + mb_kl, deviation_sum + mb_dev
                 points_trained += hi - lo
                 samples_trained += s1 - s0
-            self.optimizer.zero_grad(set_to_none=True)  # the loop above gives every parameter a .grad again
+            self.optimizer.zero_grad(set_to_none=True)
 
         decay = algo.nft_old_decay(self.updates, **self.decay)
         with torch.no_grad():  # a new dict: published and snapshotted copies stay as they were

@@ -91,13 +91,17 @@ def scale_grads(params: list[torch.Tensor], factor: float) -> None:
 
 def all_reduce_grads(params: list[torch.Tensor], data_parallel: int) -> None:
     """Sum the gradients over the sequence groups and average them over the data axis: one flat
-    all-reduce (sum) over every trainer, divided by the number of data-parallel groups."""
+    all-reduce (sum) over every trainer, divided by the number of data-parallel groups. A parameter
+    with .grad None (no backward reached it here) counts as zeros; one that no rank reached stays
+    None on every rank (a flag per parameter rides in the same all-reduce), so no rank steps it."""
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    reached = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)
+    flat = torch.cat([g.reshape(-1) for g in grads] + [reached])
     dist.all_reduce(flat)
+    reached_by_any = (flat[-len(params):] > 0).tolist()
     flat /= data_parallel
     offset = 0
-    for p, g in zip(params, grads):
+    for p, g, reached_somewhere in zip(params, grads, reached_by_any):
         n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(g).clone()
+        p.grad = flat[offset : offset + n].view_as(g).clone() if reached_somewhere else None
         offset += n

@@ -359,7 +359,8 @@ def test_batched_replay_equals_the_stepwise_loop(cfg_batch, micro, uncond_grad):
     expected, expected_loss = stepwise_update(policy, groups, micro=2, beta=0.04, uncond_grad=uncond_grad)
     got = []
     learner = Learner(policy, micro_batch_size=micro, beta=0.04, uncond_grad=uncond_grad,
-                      grad_all_reduce=lambda params: got.extend(p.grad.clone() for p in params))
+                      grad_all_reduce=lambda params: got.extend(  # a parameter no backward reached: None
+                          torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params))
     m = learner.train_step(groups, version=0)
     policy.load_trainable_state(start)
     assert m["loss/policy"] + m["loss/kl"] == pytest.approx(expected_loss, rel=1e-5, abs=1e-7)

@@ -67,7 +67,7 @@ def train(learner, groups, reduce=None, sharded=False):
         if reduce is not None:
             reduce(params)
         if not sharded:
-            grads.append([p.grad.clone() for p in params])
+            grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params])  # None: unreached
 
     learner.grad_all_reduce = record
     torch.manual_seed(7)
