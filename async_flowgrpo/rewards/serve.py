@@ -97,7 +97,7 @@ class RewardService:
         self.reward, self.batch_size, self.batch_wait_s = reward, batch_size, batch_wait_s
         self._batchers: dict[tuple, Batcher] = {}
         self._lock = threading.Lock()
-        self.counts = {"requests": 0, "bad_requests": 0, "failed": 0}
+        self.counts = {"requests": 0, "batches": 0, "bad_requests": 0, "failed": 0}
 
     def count(self, key: str) -> None:
         with self._lock:
@@ -106,8 +106,12 @@ class RewardService:
     def _batcher(self, shape: tuple) -> Batcher:
         with self._lock:
             if shape not in self._batchers:
-                self._batchers[shape] = Batcher(self.reward.score_groups, self.batch_size, self.batch_wait_s)
+                self._batchers[shape] = Batcher(self._score_batch, self.batch_size, self.batch_wait_s)
             return self._batchers[shape]
+
+    def _score_batch(self, groups: list) -> list:
+        self.count("batches")
+        return self.reward.score_groups(groups)
 
     def score(self, samples: torch.Tensor, prompts: list, metadata: list) -> dict:
         """{"scores": [n], <component>: [n]}; raises RewardError when the reward failed on this request."""
@@ -119,8 +123,7 @@ class RewardService:
 
     def health(self) -> dict:
         with self._lock:
-            batches = sum(len(b.batches) for b in self._batchers.values())
-            return {"status": "ok", "rewards": dict(self.reward.weights), "batches": batches, **self.counts}
+            return {"status": "ok", "rewards": dict(self.reward.weights), **self.counts}
 
 
 def make_server(service: RewardService, host: str, port: int, max_request_mb: float) -> ThreadingHTTPServer:
