@@ -19,13 +19,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo import stop
 from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
-from async_flowgrpo.models import FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
+from async_flowgrpo.models import FAMILIES, IMAGE_FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
+from async_flowgrpo.models.common import read_model_settings
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
 from async_flowgrpo.seqpar import FAMILIES as SEQUENCE_PARALLEL_FAMILIES
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
+EMBEDDED_EDIT_MODEL = os.path.join(os.path.dirname(EMBEDDED_MODEL), "shapes_edit")  # model.path embedded_edit
 MODES = ("sync", "one_step_off", "fully_async")
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 
@@ -37,7 +39,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model
-    family: str = "sd3"  # sd3 | flux | qwen_image | wan (the adapter itself is picked from model_index.json)
+    family: str = "sd3"  # sd3 | flux | qwen_image | wan | flux_kontext (the adapter itself is picked from model_index.json)
     lora_rank: int = 32  # 0 = full fine-tune
     lora_alpha: int = 64
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
@@ -318,7 +320,7 @@ def to_yaml(config: Config) -> str:
 
 
 def resolve_model_path(path: str) -> str:
-    return EMBEDDED_MODEL if path == "embedded" else path
+    return {"embedded": EMBEDDED_MODEL, "embedded_edit": EMBEDDED_EDIT_MODEL}.get(path, path)
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -537,11 +539,18 @@ def validate(c: Config) -> None:
     for key in ("connect_timeout_s", "start_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
         _require(getattr(c.ray, key) > 0, f"ray.{key}", "must be > 0")
     loaded = {}
+    size = r.resolution or read_model_settings(model_dir).get("resolution")  # input images must match the samples
     for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):
         try:  # read now: a bad file is one line here, not a traceback from inside a Ray actor
-            loaded[key] = load_prompts(prompts)
+            loaded[key] = load_prompts(prompts, image_size=(size, size) if size else None)
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"{key}: {err}") from None
+        edits = c.model.family in IMAGE_FAMILIES
+        _require(bool(loaded[key][0].images) == edits, key,
+                 f"model.family {c.model.family} edits images: use a JSONL prompt file whose rows carry \"images\""
+                 if edits else f"its rows carry \"images\", but model.family {c.model.family} takes none "
+                 f"(image-conditioned families: {', '.join(IMAGE_FAMILIES)})")
+        _require(not edits or r.engine == "diffusers", "rollout.engine", "input images need the diffusers engine")
     if r.prompt_mix is not None:
         _require(bool(r.prompt_mix) and all(w >= 0 for w in r.prompt_mix.values()) and sum(r.prompt_mix.values()) > 0,
                  "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")

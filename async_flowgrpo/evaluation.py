@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from async_flowgrpo.conditioning import with_sources
 from async_flowgrpo.config import Config
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import CombinedReward
@@ -84,12 +85,13 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
     for call in range(-(-len(starts) // world_size)):
         start = mine[call] if call < len(mine) else starts[0]  # a rank short of chunks repeats one
         chunk = prompts[start : start + PROMPTS_PER_CALL]
+        chunk_metadata = [with_sources(p) for p in chunk]  # an edit model's input images, loaded
         groups = policy.generate(
             [p.text for p in chunk],
             e.samples_per_prompt,
             seed=e.seed + start,  # fixed: the same noise at every evaluation, whichever rank draws it
             **sampling,
-            metadata=[p.metadata for p in chunk],
+            metadata=chunk_metadata,
             version_fn=check,
         )
         if check is not None:
@@ -98,7 +100,7 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
             continue  # only kept in step with the other ranks' forward passes
         images = torch.cat([g.images for g in groups])
         texts = [p.text for p, g in zip(chunk, groups) for _ in range(g.size)]
-        metadata = [p.metadata for p, g in zip(chunk, groups) for _ in range(g.size)]
+        metadata = [m for m, g in zip(chunk_metadata, groups) for _ in range(g.size)]
         score, components = reward(images, texts, metadata)
         scored.append({"start": start, "images": images, "texts": texts, "metadata": metadata, "score": score,
                        "components": components})

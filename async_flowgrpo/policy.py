@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from async_flowgrpo import algo
+from async_flowgrpo.conditioning import SOURCE_IMAGES
 from async_flowgrpo.models import load_adapter
 from async_flowgrpo.models.base import FamilyAdapter
 from async_flowgrpo.types import Group, SamplingParams
@@ -265,6 +266,7 @@ class DiffusionPolicy:
         `version_fn()` is called before every denoising step, outside no_grad, and its value is
         stamped on that step if it is recorded: a rollout actor swaps in new weights there
         (in-flight update). Each group's time_generate_s is its share of the batch's wall time.
+        An edit model's input images come in metadata[SOURCE_IMAGES] (`conditioning.with_sources`).
         """
         t0 = time.perf_counter()
         version_fn = version_fn or (lambda: 0)
@@ -280,7 +282,7 @@ class DiffusionPolicy:
         gen = torch.Generator().manual_seed(seed)
         start, end = algo.sde_window(num_steps, window_size, window_range, generator=gen)
         sigmas = self.adapter.sigmas(num_steps, height=height, width=width)  # resolution-dependent shift
-        enc = self.adapter.encode_prompts(prompts, cfg=cfg)
+        enc = self._encode(prompts, metadata, cfg)
         per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
                       (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
         if shared_initial_noise:
@@ -357,6 +359,19 @@ class DiffusionPolicy:
                 )
             )
         return groups
+
+    def _encode(self, prompts: list[str], metadata: list[dict], cfg: bool):
+        """The prompts' conditioning; an edit model's also encodes each prompt's input images
+        (metadata[SOURCE_IMAGES]), once for the group, into it (see FluxKontextAdapter)."""
+        images = [m.get(SOURCE_IMAGES) for m in metadata]
+        if not self.adapter.image_conditioned:
+            if any(i is not None for i in images):
+                raise ValueError(f"this {self.adapter.family} model takes no input images; the prompts carry some")
+            return self.adapter.encode_prompts(prompts, cfg=cfg)
+        if any(i is None for i in images):
+            raise ValueError(f"this {self.adapter.family} model edits images: every prompt needs its input "
+                             "image(s) (a JSONL prompt file's \"images\")")
+        return self.adapter.encode_prompts(prompts, cfg=cfg, images=images)
 
     # ---------------------------------------------------------------- training
 

@@ -1,7 +1,9 @@
 """Prompt files and the prompt stream.
 
 Files: `.txt` (one prompt a line, blank lines and #-comments skipped) or `.jsonl`
-({"prompt": ..., anything else becomes that prompt's metadata}). The shipped sets live in
+({"prompt": ..., anything else becomes that prompt's metadata}). A JSONL row's "images" (a path or
+a list, relative to the file) are an edit model's input images, checked as the file is read
+(`conditioning.check_images`); every row then carries the same number of them. The shipped sets live in
 async_flowgrpo/assets/prompts; `resolve_prompt_path` finds them by bare name.
 
 The stream is a pure function of its position: the prompt at stream index i is
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from async_flowgrpo.conditioning import check_images
+
 PROMPT_DIR = os.path.join(os.path.dirname(__file__), "assets", "prompts")
 
 
@@ -29,6 +33,7 @@ PROMPT_DIR = os.path.join(os.path.dirname(__file__), "assets", "prompts")
 class Prompt:
     text: str
     metadata: dict = field(default_factory=dict)
+    images: tuple[str, ...] = ()  # input image paths (an edit model's), resolved
 
 
 def resolve_prompt_path(path: str) -> str:
@@ -42,8 +47,9 @@ def resolve_prompt_path(path: str) -> str:
     raise FileNotFoundError(f"prompt file not found: {path}")
 
 
-def load_prompts(path: str) -> list[Prompt]:
-    """Raises ValueError naming the file (and line) for anything but a readable, non-empty prompt file."""
+def load_prompts(path: str, image_size: tuple[int, int] | None = None) -> list[Prompt]:
+    """Raises ValueError naming the file (and line) for anything but a readable, non-empty prompt
+    file; input images must also have `image_size` (height, width) when it is given."""
     path = resolve_prompt_path(path)
     if os.path.isdir(path):
         raise ValueError(f"{path} is a directory, not a prompt file (.txt or .jsonl)")
@@ -69,7 +75,15 @@ def load_prompts(path: str) -> list[Prompt]:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                 raise ValueError(f"{path}:{line_no}: expected a JSON object with a non-empty string 'prompt' key")
-            prompts.append(Prompt(row.pop("prompt"), row))
+            images = ()
+            if "images" in row:
+                images = check_images(row.pop("images"), os.path.dirname(path), f"{path}:{line_no}", image_size)
+                if prompts and len(images) != len(prompts[0].images):
+                    raise ValueError(f"{path}:{line_no}: {len(images)} images, but the first row has "
+                                     f"{len(prompts[0].images)}: every row needs the same number")
+            elif prompts and prompts[0].images:
+                raise ValueError(f"{path}:{line_no}: no \"images\", but the file's other rows have them")
+            prompts.append(Prompt(row.pop("prompt"), row, images))
         else:
             prompts.append(Prompt(line))
     if not prompts:

@@ -66,6 +66,8 @@ class FamilyAdapter(TransformerPlacement):
     # a family that trims its text padding per batch (Qwen-Image) keeps the text tokens a multiple of
     # this: sequence parallelism splits them over its ranks (set to trainer.sequence_parallel)
     token_multiple = 1
+    # prompts carry input images (an edit model): encode_prompts then takes images=[[uint8 [H, W, 3], ...], ...]
+    image_conditioned = False
 
     def __init__(self, pipeline, *, max_sequence_length: int, resolution: int, negative_prompt: str | None = None):
         self.pipeline = pipeline

@@ -4,6 +4,8 @@ Request:  POST <url>, Content-Type: application/json,
           {"prompts": [str]*n, "metadata": [dict]*n, "images": [base64 PNG]*n}
           or, for videos (`remote_video`), "videos": [[base64 PNG]*F]*n in place of "images":
           each video as the list of its F frames (lossless, so a server sees what was sampled).
+          An edit model's requests add "source_images": [[base64 PNG]*k]*n, each sample's k input
+          images (taken out of its metadata), so a server can judge the edit against its source.
 Response: {"scores": [float]*n, <other>: [number]*n, ...}, one value per image or video
           "scores" is the reward; every other list of n numbers is returned as the component
           "<name>/<other>"; other keys (strings, nested objects) are ignored.
@@ -60,6 +62,7 @@ from typing import Literal, Optional
 import torch
 from PIL import Image
 
+from async_flowgrpo.conditioning import SOURCE_IMAGES
 from async_flowgrpo.rewards.safe_pickle import restricted_loads
 
 ENV_REMOTE = "ASYNC_FLOWGRPO_REMOTE_URL"
@@ -91,12 +94,16 @@ def _kind(samples: torch.Tensor) -> str:
 
 def _payload(samples: torch.Tensor, prompts: list, metadata: list) -> bytes:
     arrays = samples.detach().cpu().numpy()
+    metadata = [dict(m) if m is not None else {} for m in metadata]
+    sources = [m.pop(SOURCE_IMAGES, None) for m in metadata]
     body = {
         "prompts": [str(p) for p in prompts],
-        "metadata": [dict(m) if m is not None else {} for m in metadata],
+        "metadata": metadata,
         _kind(samples): ([[encode_png(frame) for frame in video] for video in arrays] if samples.dim() == 5
                          else [encode_png(img) for img in arrays]),
     }
+    if any(s is not None for s in sources):  # an edit model's input images, beside what it made of them
+        body["source_images"] = [[encode_png(img.cpu().numpy()) for img in s or []] for s in sources]
     return json.dumps(body, default=str).encode("utf-8")
 
 
@@ -109,7 +116,8 @@ def _flow_grpo_payload(images: torch.Tensor, metadata: list, only_strict: bool) 
         buf = io.BytesIO()
         Image.fromarray(image).save(buf, format="JPEG")
         jpegs.append(buf.getvalue())
-    body = {"images": jpegs, "meta_datas": [dict(m) if m is not None else {} for m in metadata], "only_strict": bool(only_strict)}
+    meta = [{k: v for k, v in (m or {}).items() if k != SOURCE_IMAGES} for m in metadata]  # (its servers take no inputs)
+    body = {"images": jpegs, "meta_datas": meta, "only_strict": bool(only_strict)}
     return pickle.dumps(body, protocol=4)
 
 

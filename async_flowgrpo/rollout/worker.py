@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from async_flowgrpo.builders import build_engine
+from async_flowgrpo.conditioning import with_sources
 from async_flowgrpo.config import Config
 from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.prompts import PromptStream, load_prompts
@@ -79,7 +80,7 @@ class RolloutWorker:
                 self.cfg.rollout.group_size,
                 group_seed(self.cfg.rollout.seed, ticket),
                 prompt_indices=[ticket],
-                metadata=[prompt.metadata],
+                metadata=[with_sources(prompt)],  # an edit model's input images, loaded once per group
                 **self.sampling,
             )[0]
             group.worker_id = self.worker_id
@@ -92,7 +93,7 @@ class RolloutWorker:
         stop after reward.max_consecutive_failures (raised to whoever takes the group)."""
         n = group.size
         try:
-            group.rewards, group.reward_components = self.reward(group.images, [prompt.text] * n, [prompt.metadata] * n)
+            group.rewards, group.reward_components = self.reward(group.images, [prompt.text] * n, [group.metadata] * n)
         except RewardError as e:
             logger.warning("worker %d: skipping group %d: %s", self.worker_id, group.prompt_index, e)
             with self._counters:
