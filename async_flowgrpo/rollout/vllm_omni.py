@@ -14,8 +14,10 @@ How it works
   * One request per prompt, ``num_outputs_per_prompt = n``; our parameters travel in
     ``OmniDiffusionSamplingParams.extra_args[EXTRA_KEY]``.
   * Weights: LoRA (model.lora_rank > 0) -> each sync writes a PEFT adapter dir with a new
-    ``lora_int_id`` (version + 1), ``AsyncOmni.add_lora`` loads it, later requests carry its
-    ``LoRARequest``, the previous adapter is removed (``remove_lora``) and its dir deleted.
+    ``lora_int_id``; ``collective_rpc("add_lora")`` loads it and ``collective_rpc("list_loras")``
+    confirms it (AsyncOmni.add_lora's bool does not: it counts a worker's error as success);
+    only then do later requests carry its ``LoRARequest`` and is the previous adapter removed
+    (``remove_lora``) and its dir deleted. A failed load leaves the previous adapter in use.
     Full fine-tune -> the transformer state is written to a safetensors file and loaded by our
     worker extension (``collective_rpc("flowgrpo_load_weights", path)``), which feeds it to the
     vllm-omni transformer's ``load_weights`` (diffusers names; q/k/v are fused there).
@@ -30,7 +32,8 @@ tested, without vllm-omni.
 
 vllm-omni 0.30.0 API used (paths inside the vllm_omni package):
   entrypoints/async_omni.py         AsyncOmni(model, **kwargs), .generate(prompt, sampling_params=,
-                                    request_id=), .add_lora / .remove_lora, .collective_rpc, .shutdown
+                                    request_id=), .collective_rpc(method, timeout=, args=) for
+                                    add_lora / list_loras / remove_lora and our RPC, .shutdown
   engine/omni_engine_base.py        custom_pipeline_args, worker_extension_cls, dtype -> diffusion stage args
   inputs/data.py                    OmniDiffusionSamplingParams (num_inference_steps, guidance_scale,
                                     height, width, seed, num_outputs_per_prompt, extra_args, lora_request)
@@ -82,6 +85,7 @@ PIPELINE_QUALNAME = f"{__name__}.FlowGRPOSD3Pipeline"
 EXTENSION_QUALNAME = f"{__name__}.FlowGRPOWorkerExtension"
 LOAD_WEIGHTS_RPC = "flowgrpo_load_weights"
 UPDATE_POINTS = ("between_steps", "between_groups")
+RPC_WAIT_MARGIN_S = 10.0  # our wait on a collective_rpc beyond the timeout it is given
 
 
 def require_vllm_omni():
@@ -312,6 +316,15 @@ def images_to_uint8(images: list) -> Tensor:
     return torch.from_numpy(np.stack(arrays))
 
 
+def normal_tensor(t: Tensor | None) -> Tensor | None:
+    """A clone of a tensor made under torch.inference_mode(), else the tensor itself. vllm-omni
+    runs the pipeline in inference mode (diffusion_model_runner.py: `grad_context = torch.no_grad()
+    if (use_hsdp or use_distributed_offload) else torch.inference_mode()`), and an inline stage
+    hands its outputs over in this process; such a tensor refuses autograd and in-place changes
+    outside inference mode. A clone made here, outside it, is a normal tensor."""
+    return t.clone() if t is not None and t.is_inference() else t
+
+
 def group_from_output(output: Any, request: RolloutRequest, *, guidance_scale: float, elapsed_s: float = 0.0) -> Group:
     """Convert the final OmniRequestOutput of one request into a Group (all steps stamped with
     the version the request was submitted with; the pipeline's echo must agree)."""
@@ -355,15 +368,15 @@ def group_from_output(output: Any, request: RolloutRequest, *, guidance_scale: f
         prompt_index=request.prompt_index,
         metadata=request.metadata,
         params=params,
-        latents=latents.float(),
-        sigmas=info["sigmas"].float(),
-        log_probs=log_probs.float(),
+        latents=normal_tensor(latents.float()),
+        sigmas=normal_tensor(info["sigmas"].float()),
+        log_probs=normal_tensor(log_probs.float()),
         versions=torch.full((window,), request.version, dtype=torch.long),
         images=images,
-        prompt_embeds=info["prompt_embeds"],
-        pooled_prompt_embeds=info["pooled_prompt_embeds"],
-        negative_prompt_embeds=info["negative_prompt_embeds"] if cfg else None,
-        negative_pooled_prompt_embeds=info["negative_pooled_prompt_embeds"] if cfg else None,
+        prompt_embeds=normal_tensor(info["prompt_embeds"]),
+        pooled_prompt_embeds=normal_tensor(info["pooled_prompt_embeds"]),
+        negative_prompt_embeds=normal_tensor(info["negative_prompt_embeds"]) if cfg else None,
+        negative_pooled_prompt_embeds=normal_tensor(info["negative_pooled_prompt_embeds"]) if cfg else None,
         seed=request.seed,
         time_generate_s=elapsed_s,
     )
@@ -393,9 +406,12 @@ class AdapterRef:
 
 @dataclass
 class LoraAdapterBook:
-    """Which adapter the next request uses, and the PEFT dirs behind it. One adapter per
-    published version; ids are version + 1 (vLLM LoRA ids must be >= 1). Version 0 of a LoRA
-    policy needs none: B = 0 at init, so the base model is the policy."""
+    """Which adapter the next request uses, and the PEFT dirs behind it. Each write gets a new
+    lora_int_id (1, 2, ...; vLLM LoRA ids must be >= 1), also when a version comes again (the
+    weight sync sends the current version to every rollout actor when one rejoins): vllm-omni
+    refuses an id it holds (DiffusionLoRAManager.add_adapter: "Adapter %d already registered,
+    skipping", return False). Version 0 of a LoRA policy needs none: B = 0 at init, so the base
+    model is the policy."""
 
     root: str
     rank: int
@@ -403,15 +419,13 @@ class LoraAdapterBook:
     target_modules: tuple[str, ...]
     base_model: str = ""
     active: AdapterRef | None = field(default=None)
-
-    @staticmethod
-    def lora_int_id(version: int) -> int:
-        return int(version) + 1
+    next_lora_int_id: int = 1
 
     def write(self, state: dict[str, Tensor], version: int) -> AdapterRef:
         from safetensors.torch import save_file
 
-        name = f"flowgrpo_v{version}"
+        lora_int_id, self.next_lora_int_id = self.next_lora_int_id, self.next_lora_int_id + 1
+        name = f"flowgrpo_v{version}_{lora_int_id}"
         path = os.path.join(self.root, name)
         os.makedirs(path, exist_ok=True)
         tensors = {peft_key(k): v.detach().to("cpu").contiguous() for k, v in state.items()}
@@ -430,12 +444,12 @@ class LoraAdapterBook:
         }
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(config, f, indent=1)
-        return AdapterRef(version=int(version), lora_int_id=self.lora_int_id(version), name=name, path=path)
+        return AdapterRef(version=int(version), lora_int_id=lora_int_id, name=name, path=path)
 
     def activate(self, ref: AdapterRef) -> AdapterRef | None:
         """Make `ref` the adapter of the next requests; returns the one it replaces (to remove)."""
         previous, self.active = self.active, ref
-        return previous if previous is not None and previous.lora_int_id != ref.lora_int_id else None
+        return previous
 
     @staticmethod
     def discard(ref: AdapterRef) -> None:
@@ -454,7 +468,12 @@ class _LoopThread:
         self.thread.start()
 
     def run(self, coro, timeout: float | None = None):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()  # a call we stop waiting for stops in the loop too (AsyncOmni.generate aborts its request)
+            raise
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -597,29 +616,54 @@ class VllmOmniEngine:
         self._state, self._version = state, version
 
     def _swap_adapter(self, state: dict[str, Tensor], version: int) -> None:
+        """Load the new adapter, confirm it is loaded, and only then make it the one requests use
+        and remove the previous one. On a failure the previous adapter stays active and its
+        directory stays: with max_cpu_loras 1 (vllm-omni's default) the failed add has already
+        evicted it from the workers (DiffusionLoRAManager.add_adapter calls
+        `self._evict_for_new_adapter()` before `self._load_adapter(lora_request)`), and the next
+        request loads it again from that directory (set_active_adapter: "if adapter_id not in
+        self._registered_adapters: ... self.add_adapter(lora_request)")."""
         ref = self.adapters.write(state, version)
         request = self._make_lora_request(lora_name=ref.name, lora_int_id=ref.lora_int_id, lora_path=ref.path)
         try:
-            ok = self._loop.run(self.omni.add_lora(request), self.request_timeout_s)
+            problem = lora_add_problem(ref.lora_int_id, self._rpc("add_lora", request))
+            if problem is None:
+                problem = lora_listing_problem(ref.lora_int_id, self._rpc("list_loras"))
+            if problem is not None:  # a half-registered id is never used again; the LRU evicts it
+                raise RuntimeError(f"vllm-omni add_lora failed for {ref.path} (version {version}): {problem}")
         except BaseException:
             self.adapters.discard(ref)
             raise
-        if not ok:
-            self.adapters.discard(ref)
-            raise RuntimeError(f"vllm-omni add_lora failed for {ref.path} (version {version})")
         previous = self.adapters.activate(ref)
         if previous is not None:
-            # False when vllm-omni's LRU (max_cpu_loras) already evicted it: nothing left to remove
-            self._loop.run(self.omni.remove_lora(previous.lora_int_id), self.request_timeout_s)
+            self._try_remove(previous.lora_int_id)
             self.adapters.discard(previous)
+
+    def _try_remove(self, lora_int_id: int) -> None:
+        """remove_lora, best effort. False is normal: the add before it evicted the adapter
+        (max_cpu_loras 1; DiffusionLoRAManager.remove_adapter returns False for an id it does not
+        hold). A failure leaves an unused adapter in the workers' cache, which its LRU evicts."""
+        try:
+            results = self._rpc("remove_lora", lora_int_id)
+            check_rpc_results("remove_lora", results)
+        except Exception as e:  # noqa: BLE001  (nothing depends on it: requests name the new adapter)
+            logger.warning("vllm-omni remove_lora(%d) failed: %s", lora_int_id, e)
+
+    def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """AsyncOmni.collective_rpc with a timeout: its `timeout: float | None = None` default
+        waits for the workers forever (omni_engine_base.py:collective_rpc hands it to
+        `transport.execute(..., timeout=timeout)`), and AsyncOmni.add_lora / remove_lora /
+        list_loras pass none. Our own wait allows a little longer, so that vllm-omni's timeout,
+        which it reports as an error result, comes first."""
+        call = self.omni.collective_rpc(method, timeout=self.request_timeout_s, args=args)
+        return self._loop.run(call, self.request_timeout_s + RPC_WAIT_MARGIN_S)
 
     def _load_full(self, state: dict[str, Tensor], version: int) -> None:
         from safetensors.torch import save_file
 
         path = os.path.join(self.work_dir, f"transformer_v{version}.safetensors")
         save_file({k: v.contiguous() for k, v in state.items()}, path)
-        results = self._loop.run(self.omni.collective_rpc(LOAD_WEIGHTS_RPC, args=(path,)), self.request_timeout_s)
-        check_rpc_results(LOAD_WEIGHTS_RPC, results)
+        check_rpc_results(LOAD_WEIGHTS_RPC, self._rpc(LOAD_WEIGHTS_RPC, path))
         if self._weights_file and self._weights_file != path:
             os.remove(self._weights_file)
         self._weights_file = path
@@ -713,14 +757,56 @@ def check_model_dir(path: str) -> None:
 
 
 def check_rpc_results(method: str, results: Any) -> None:
-    """AsyncOmni.collective_rpc returns one result per stage/replica (lists per rank); error
-    dicts mark failures."""
+    """Raise on a failed stage in AsyncOmni.collective_rpc's results (one per stage replica,
+    lists per worker). vllm-omni returns a worker's exception as a dict, not raised:
+    {"error": True, "reason": ...} from a diffusion subprocess
+    (stage_diffusion_client.py:_drain_responses), {"supported": False, "error": ...} from
+    StagePool.collective_rpc, {"todo": ...} from a stage without the method. These are the
+    dicts AsyncOmni's own _engine_core_rpc rejects: `if result.get("error") or
+    result.get("todo") or result.get("supported") is False`."""
     items = results if isinstance(results, (list, tuple)) else [results]
     for item in items:
         if isinstance(item, (list, tuple)):
             check_rpc_results(method, item)
-        elif isinstance(item, dict) and (item.get("error") or item.get("todo") or item.get("ok") is False):
+        elif isinstance(item, dict) and (item.get("error") or item.get("todo") or item.get("supported") is False):
             raise RuntimeError(f"vllm-omni collective_rpc({method}) failed: {item}")
+
+
+def lora_add_problem(lora_int_id: int, results: list[Any]) -> str | None:
+    """What is wrong with collective_rpc("add_lora")'s results, or None. Each stage answers
+    True or a list of True (diffusion/stage_diffusion_proc.py: "return all(results)"); an error
+    dict, False (a worker without LoRA, or an id it holds already) or anything else is a failure.
+    Not AsyncOmni.add_lora's bool: it reduces each result with `_coerce_stage_bool`, whose
+    `return bool(result)` turns an error dict into True."""
+    try:
+        check_rpc_results("add_lora", results)
+    except RuntimeError as e:
+        return str(e)
+
+    def loaded(result):
+        return all(loaded(r) for r in result) if isinstance(result, (list, tuple)) else result is True
+
+    if not results or not all(loaded(r) for r in results):
+        return f"LoRA {lora_int_id} not loaded: collective_rpc(add_lora) returned {results}"
+    return None
+
+
+def lora_listing_problem(lora_int_id: int, results: list[Any]) -> str | None:
+    """Whether every stage replica lists the adapter after the add (collective_rpc("list_loras"),
+    per replica, not AsyncOmni.list_loras, whose union skips dicts and hides a replica that lacks
+    it)."""
+    try:
+        check_rpc_results("list_loras", results)
+    except RuntimeError as e:
+        return str(e)
+
+    def ids(result):
+        return set().union(*(ids(r) for r in result)) if isinstance(result, (list, tuple)) else {result}
+
+    missing = [i for i, r in enumerate(results) if lora_int_id not in ids(r)]
+    if not results or missing:
+        return f"add_lora reported success, but list_loras of stage replica(s) {missing} lacks it: {results}"
+    return None
 
 
 # ------------------------------------------------------------------ worker-side classes (need vllm-omni)
