@@ -132,6 +132,7 @@ def test_a_failing_reward_fails_its_request_with_500_and_is_retried_a_bounded_nu
     assert service.health()["failed"] == 3
 
 
+@pytest.mark.slow  # starts the server's process five times
 def test_cli_serves_a_module_function_and_refuses_bad_input_with_exit_2(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}", "HF_HUB_OFFLINE": "1"}
     (tmp_path / "my_rewards.py").write_text(
