@@ -63,3 +63,14 @@ def with_sources(prompt) -> dict:
     if not prompt.images:
         return prompt.metadata
     return {**prompt.metadata, SOURCE_IMAGES: source_images(prompt.images)}
+
+
+def side_by_side(results: torch.Tensor, sources: list[list[torch.Tensor]], captions: list[str],
+                 pairs_per_row: int = 4) -> dict:
+    """An edit's grid tiles: each prompt's input image(s), then its result, the instruction under the
+    first input; {"images", "captions", "nrow"} for `RunLogger.log_images` (nrow keeps pairs on one row)."""
+    tiles, tile_captions = [], []
+    for result, inputs, caption in zip(results, sources, captions):
+        tiles += [*inputs, result]
+        tile_captions += [caption] + [""] * (len(inputs) - 1) + ["-> result"]
+    return {"images": torch.stack(tiles), "captions": tile_captions, "nrow": (len(sources[0]) + 1) * pairs_per_row}

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from async_flowgrpo.conditioning import with_sources
+from async_flowgrpo.conditioning import SOURCE_IMAGES, side_by_side, with_sources
 from async_flowgrpo.config import Config
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import CombinedReward
@@ -63,7 +63,8 @@ def _cut_check(interrupted: Callable[[], bool], world_size: int, device) -> Call
 @torch.no_grad()
 def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
                     interrupted: Callable[[], bool] | None = None) -> dict | None:
-    """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}.
+    """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}
+    (an edit model's: each prompt's input image(s) beside its result, and the grid's "nrow").
 
     With world_size > 1 (FSDP-sharded trainers; the process group is up) the ranks split the prompt
     chunks, score their own and rank 0 gathers them: the same result as one process, in 1/world_size
@@ -128,7 +129,11 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
             metrics[f"eval/accuracy_{kind}"] = components["correct"][sel].mean().item()
     metrics["eval/time_s"] = time.perf_counter() - start_time  # generation + scoring
     first = slice(None, None, e.samples_per_prompt)  # one image per prompt for the grid
-    return {"metrics": metrics, "images": images[first][:64], "captions": texts[first][:64]}
+    grid = {"images": images[first][:64], "captions": texts[first][:64]}
+    sources = [m.get(SOURCE_IMAGES) for m in metadata[first][:32]]
+    if sources[0] is not None:  # an edit model: each input beside its result, 32 prompts
+        grid = side_by_side(grid["images"][:32], sources, grid["captions"][:32])
+    return {"metrics": metrics, **grid}
 
 
 def main(argv: list[str]) -> None:

@@ -225,3 +225,18 @@ def test_both_learners_train_on_edit_groups(kontext_dir):
         assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
         if learner_cls is Learner:
             assert metrics["logp/max_abs_diff"] < 1e-4
+
+
+def test_evaluation_scores_edits_and_grids_source_beside_result(kontext_dir, edit_prompts):
+    from async_flowgrpo.config import load_config
+    from async_flowgrpo.evaluation import evaluate_policy
+    from async_flowgrpo.policy import DiffusionPolicy
+
+    cfg = load_config("sync", _overrides(kontext_dir, edit_prompts) + [
+        "eval.num_steps=2", "eval.samples_per_prompt=2", "reward.weights={shapes_edit: 1.0}"])
+    result = evaluate_policy(DiffusionPolicy(kontext_dir, lora_rank=0), cfg)
+    assert 0.0 <= result["metrics"]["eval/accuracy"] <= 1.0 and "eval/accuracy_recolor" in result["metrics"]
+    prompts = load_prompts(edit_prompts)
+    assert result["images"].shape == (4, 32, 32, 3) and result["nrow"] == 8
+    assert torch.equal(result["images"][0], with_sources(prompts[0])[SOURCE_IMAGES][0])  # the source, then its result
+    assert result["captions"] == [prompts[0].text, "-> result", prompts[1].text, "-> result"]

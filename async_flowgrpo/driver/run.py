@@ -82,12 +82,25 @@ def disk_full(error: BaseException) -> OSError | None:
     return None
 
 
+def requeued(extra: dict, groups: list[Group]) -> dict:
+    """fully_async's checkpoint state (`saved_queue`) with `groups`, taken from the queue for an
+    update that did not finish, back at the queue's head and no longer counted as consumed: a
+    resumed run trains them first, and produced = consumed + dropped + drained + queued holds."""
+    saved = extra["queue"]
+    counters = {**saved["queue"], "consumed": saved["queue"]["consumed"] - len(groups),
+                "consumed_samples": saved["queue"]["consumed_samples"] - sum(g.size for g in groups)}
+    return {**extra, "queue": {**saved, "queue": counters,
+                               "queued_groups": [g.to_state() for g in groups] + saved["queued_groups"]}}
+
+
 @dataclass
 class TrainStep:
-    """An update sent to the trainers (`calls`: one ref per trainer; none when the batch was too short)."""
+    """An update sent to the trainers (`calls`: one ref per trainer; none when the batch was too
+    short); `records`: every group taken for it (a stop's checkpoint puts them back untrained)."""
 
     batch: Batch
     calls: list
+    records: list[GroupRecord]
 
 
 @dataclass
@@ -116,6 +129,7 @@ class BatchRollouts:
         self.next_ticket = run.trained_ticket_end  # resume regenerates from the first untrained ticket
         self._started: deque[tuple[int, list[Share]]] = deque()  # (end ticket, shares) of each batch not yet collected
         self._saved = saved  # the batch in flight at a stop, from the checkpoint
+        self.last_skipped = 0  # groups of the last collected batch whose reward failed
         if saved:
             self.next_ticket = saved["end"]
 
@@ -168,7 +182,8 @@ class BatchRollouts:
                     records.append(record)
         run.collected_ticket_end, _ = self._started.popleft()
         kept = [r for r in records if r is not None]
-        run.skipped_groups += len(records) - len(kept)
+        self.last_skipped = len(records) - len(kept)
+        run.skipped_groups += self.last_skipped
         run.produced_samples += sum(r.size for r in kept)
         return kept
 
@@ -280,11 +295,11 @@ class Run:
         sp = self.cfg.trainer.sequence_parallel  # the sp consecutive trainers of a sequence group share a shard
         n = len(self.trainers) // sp
         if len(batch.records) < n:  # nothing (or too little) to learn from: keep the weights, count it
-            return TrainStep(batch, [])
+            return TrainStep(batch, [], records)
         shards = [shard for shard in batch.shards(n) for _ in range(sp)]
         calls = [trainer.train_step.remote([([r.ref], adv) for r, adv in shard], self.version)
                  for trainer, shard in zip(self.trainers, shards)]
-        return TrainStep(batch, calls)
+        return TrainStep(batch, calls, records)
 
     def finish_train(self, step: TrainStep | None) -> dict[str, float] | None:
         """Wait for a started update and count it."""
@@ -293,7 +308,7 @@ class Run:
         if not step.calls:
             return {**step.batch.metrics, "train/skipped_short_batch": 1.0}
         # a sequence group's ranks return the same metrics of the same shard: one of each counts
-        per_rank = ray.get(step.calls, timeout=self.cfg.ray.work_timeout_s)[:: self.cfg.trainer.sequence_parallel]
+        per_rank = self._wait_update(step)[:: self.cfg.trainer.sequence_parallel]
         metrics = {**reduce_metrics(per_rank), **step.batch.metrics}  # batch-wide reward stats, not per-shard means
         lost = int(metrics.pop("samples/lost", 0))  # fully_async: queued groups die with their rollout actor
         self.lost_samples += lost
@@ -303,6 +318,20 @@ class Run:
         self.version += 1
         self._count_nonfinite(metrics, updates=self.cfg.trainer.mini_batches * len(per_rank))
         return metrics
+
+    def _wait_update(self, step: TrainStep) -> list[dict]:
+        """The trainers' results. A stop meanwhile saves the step before the update at once, from
+        the trainers' staged state (`save_staged_checkpoint`), since the update may outlast
+        trainer.stop_grace_s; the update is still waited for, and counted and saved if it ends in time."""
+        deadline = time.monotonic() + self.cfg.ray.work_timeout_s
+        while not self.stop.requested:
+            left = deadline - time.monotonic()
+            done, _ = ray.wait(step.calls, num_returns=len(step.calls), timeout=max(0.0, min(0.5, left)))
+            if len(done) == len(step.calls) or left <= 0:
+                break
+        else:
+            self.save_staged_checkpoint(step)
+        return ray.get(step.calls, timeout=max(1.0, deadline - time.monotonic()))
 
     def _count_nonfinite(self, metrics: dict, updates: int) -> None:
         """Skipped NaN/inf updates are warned about; too many whole steps of them in a row stop the run."""
@@ -359,7 +388,7 @@ class Run:
             logger.warning("step %d: evaluation abandoned for the stop (%s); not logged", self.step,
                            signal.Signals(e.signum).name)
             raise
-        self.log.log_images(self.step, "eval", result["images"], result["captions"])
+        self.log.log_images(self.step, "eval", result["images"], result["captions"], nrow=result.get("nrow"))
         return result["metrics"]
 
     def evaluate_at_start(self) -> None:
@@ -407,7 +436,42 @@ class Run:
         at_stop: with the finished groups of the batch in flight (batch modes), which a resumed run
         trains first."""
         in_flight = self.batches.in_flight_state() if at_stop else {}
-        state = {
+        state = self._state(self.cluster.on_trainers("state_dict"), self.checkpoint_extra(), in_flight)
+        return self._write(state, lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights")))
+
+    def save_staged_checkpoint(self, step: TrainStep) -> str | None:
+        """A stop during an update: checkpoint the step before it now, from the trainers' state staged
+        in host memory after that step, without waiting for the update. Its groups go back in
+        untrained: fully_async's at the queue's head, batch modes' as the batch a resumed run trains
+        first (one_step_off's next batch, being generated, is regenerated). None, and nothing
+        written, where no state is staged (sharded weights) or the update has just ended."""
+        timeout, trainer = self.cfg.ray.call_timeout_s, self.trainers[0]
+        staged = ray.get(trainer.staged_state.remote(), timeout=timeout)
+        if staged is None or staged[0] != self.version:
+            return None
+        try:
+            groups = ray.get([r.ref for r in step.records], timeout=timeout)
+        except ray.exceptions.ObjectLostError:  # died with its rollout actor: the regular save accounts for it
+            return None
+        extra, in_flight = self.checkpoint_extra(), {}
+        counts = {"produced_samples": self.produced_samples, "skipped_groups": self.skipped_groups}
+        if "queue" in extra:  # fully_async
+            extra = requeued(extra, groups)
+        else:  # counted again when the resumed run collects them
+            skipped = self.batches.last_skipped
+            in_flight = {"end": self.collected_ticket_end, "groups": [g.to_state() for g in groups],
+                         "skipped": skipped, "tickets": []}
+            counts = {"produced_samples": self.produced_samples - sum(g.size for g in groups),
+                      "skipped_groups": self.skipped_groups - skipped}
+        state = {**self._state(staged[1], extra, in_flight), **counts}
+        path = self._write(state, lambda tmp: ray.get(trainer.save_staged_weights.remote(os.path.join(tmp, "weights"), self.version),
+                                                      timeout=self.cfg.ray.work_timeout_s))
+        logger.info("step %d: a stop during update %d: step %d saved from the trainer's staged state (%s); the update "
+                    "goes on within trainer.stop_grace_s", self.step, self.step + 1, self.step, path)
+        return path
+
+    def _state(self, learner: dict, extra: dict, in_flight: dict) -> dict:
+        return {
             "step": self.step,
             "version": self.version,
             "next_ticket": self.trained_ticket_end,
@@ -418,14 +482,14 @@ class Run:
             "skipped_groups": self.skipped_groups,
             "nonfinite_steps": self.nonfinite.steps,
             "config": dataclasses.asdict(self.cfg),  # resume compares the new config with it
-            "learner": self.cluster.on_trainers("state_dict"),
-            **self.checkpoint_extra(),
+            "learner": learner,
+            **extra,
             **({"batch_in_flight": in_flight} if in_flight else {}),
         }
+
+    def _write(self, state: dict, write_weights: Callable[[str], None]) -> str:
         try:
-            path = self.checkpointer.save(
-                self.step, state, write_extra=lambda tmp: self.cluster.on_trainers("save_weights", os.path.join(tmp, "weights"))
-            )
+            path = self.checkpointer.save(self.step, state, write_extra=write_weights)
         except (OSError, ray.exceptions.RayTaskError) as e:
             full = disk_full(e)  # in the driver, or in a trainer writing the weights
             if full is None:
@@ -457,7 +521,8 @@ class Run:
             if changed:
                 logger.info("resume: applying changed settings: %s", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         checkpoint.apply_optimizer_settings(state["learner"]["optimizer"], self.cfg)  # the new lr takes effect
-        ray.get([t.load_state_dict.remote(state["learner"]) for t in self.trainers], timeout=self.cfg.ray.work_timeout_s)
+        ray.get([t.load_state_dict.remote(state["learner"], state["version"]) for t in self.trainers],
+                timeout=self.cfg.ray.work_timeout_s)
         self.step, self.version = state["step"], state["version"]
         self.trained_ticket_end = self.collected_ticket_end = state["next_ticket"]
         self.consumed_samples = state["consumed_samples"]
