@@ -27,6 +27,7 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "jpeg_compressibility": "async_flowgrpo.rewards.jpeg:jpeg_compressibility",
     "jpeg_incompressibility": "async_flowgrpo.rewards.jpeg:jpeg_incompressibility",
     "shapes": "async_flowgrpo.shapes.reward:shapes_reward",
+    "shapes_edit": "async_flowgrpo.shapes.edit_reward:shapes_edit_reward",  # the embedded edit task's
     # model / service rewards: local paths and URLs come from keyword options or env vars
     "clip_score": "async_flowgrpo.rewards.clip_score:clip_score",
     "pickscore": "async_flowgrpo.rewards.clip_score:pickscore",
