@@ -164,5 +164,15 @@ def test_profile_sorts_kernels_into_classes_and_reports_host_time(gpu):
     assert gpu.kernel_class("void at::native::(anonymous namespace)::layer_norm_kernel") == "norm"
     assert gpu.kernel_class("some_custom_kernel") == "other"
     x = torch.randn(64, 64)
-    out = gpu.profile_step(lambda: x @ x, torch.device("cpu"))
+    out = gpu.profile_step(lambda: [x @ x for _ in range(2000)], torch.device("cpu"))
     assert out["wall_s"] > 0 and out["kernel_s"] == 0 and out["kernel_share_of_wall"] == 0
+
+
+def test_wan22_vae_builds_under_another_default_device():
+    """gpu.py builds pipelines under the GPU as default device; the Wan2.2 VAE's random latent
+    statistics come from a CPU generator, which must not follow that default (it failed on an H200)."""
+    from async_flowgrpo.models.tiny_wan import VARIANTS, TinyWanSpec, _vae
+
+    with torch.device("meta"):
+        vae = _vae(TinyWanSpec(**VARIANTS["wan22_ti2v_5b"]))
+    assert len(vae.config.latents_mean) == vae.config.z_dim

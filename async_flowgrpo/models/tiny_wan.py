@@ -72,9 +72,10 @@ def _vae(spec: TinyWanSpec) -> AutoencoderKLWan:
         return AutoencoderKLWan(base_dim=spec.vae_base_dim, z_dim=spec.latent_channels, dim_mult=[1, 2],
                                 num_res_blocks=1, temperal_downsample=[True], scale_factor_spatial=2,
                                 scale_factor_temporal=2)
+    # on the CPU whatever the default device (a GPU benchmark builds the pipeline under one)
     gen = torch.Generator().manual_seed(spec.seed)
-    mean = (0.2 * torch.randn(spec.latent_channels, generator=gen)).tolist()
-    std = (0.5 + torch.rand(spec.latent_channels, generator=gen)).tolist()
+    mean = (0.2 * torch.randn(spec.latent_channels, generator=gen, device="cpu")).tolist()
+    std = (0.5 + torch.rand(spec.latent_channels, generator=gen, device="cpu")).tolist()
     # Wan2.2's: 2 x 2 pixel patches (12 input channels), residual down/up blocks whose last stage
     # keeps its width (the shortcut's channel folding needs it), here one 2x stage in space and time
     return AutoencoderKLWan(base_dim=spec.vae_base_dim, decoder_base_dim=spec.vae_base_dim, z_dim=spec.latent_channels,
