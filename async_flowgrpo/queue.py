@@ -198,6 +198,14 @@ class ReplayQueue:
         self.consumed_samples += sum(g.size for g in out)
         return out
 
+    def put_back(self, groups: list[Group]) -> None:
+        """Groups that `take` returned and that will not be trained (a stop came first): back at the
+        head, in their order, no longer counted as consumed. They may exceed the capacity for a
+        while: their slots were taken all along."""
+        self._groups.extendleft(reversed(groups))
+        self.consumed -= len(groups)
+        self.consumed_samples -= sum(g.size for g in groups)
+
     def drain(self) -> list[Group]:
         """Remove and return everything queued (counted as drained, not consumed)."""
         out = list(self._groups)
@@ -407,6 +415,13 @@ class QueueActor:
             batch = self.queue.take(num_groups)
             self.cond.notify_all()  # space for blocked producers
             return batch
+
+    async def put_back(self, groups: list[Group]) -> None:
+        """A batch from `get_batch` that will not be trained (the run is stopping): queued again at
+        the head, so the stop's checkpoint holds it as queued and a resumed run trains it first."""
+        async with self.cond:
+            self.queue.put_back(groups)
+            self.cond.notify_all()
 
     async def set_version(self, version: int) -> None:
         """Publish a new weight version: raises the admission limit (and prunes under "drop")."""

@@ -90,6 +90,25 @@ def test_capacity_plain():
         q.put(make_group(2))
 
 
+def test_a_batch_put_back_is_first_again_and_not_consumed_plain():
+    """A batch taken and not trained (a stop came first) is queued again at the head, in its order;
+    the counters balance as if it had never been taken, the capacity notwithstanding."""
+    c = StalenessController(groups_per_step=2, max_staleness=1)
+    q = ReplayQueue(capacity=2, controller=c)
+    for i in range(2):
+        c.start()
+        q.put(make_group(i, n=3))
+    batch = q.take(2)
+    for i in (2, 3):
+        c.start()
+        q.put(make_group(i, n=3))
+    q.put_back(batch)
+    assert [g.prompt_index for g in q.queued()] == [0, 1, 2, 3] and q.full
+    assert (q.consumed, q.consumed_samples, q.produced) == (0, 0, 4)
+    assert q.produced == q.consumed + q.dropped_stale + q.drained + len(q)
+    assert c.admitted == q.consumed + len(q)
+
+
 def test_controller_limit_and_release():
     c = StalenessController(groups_per_step=2, max_staleness=1)
     for _ in range(4):  # (0 + 1 + 1) * 2

@@ -9,8 +9,12 @@ actors swap them in between two denoising steps (or between groups) without abor
 Prefetch: while the trainers run update k, the next batch's records are taken from the queue, and
 update k + 1 starts right after k's weights are published, before step k is logged; so the
 trainers wait only for the publication. (Not when step k evaluates or checkpoints, which need the
-trainers' weights after exactly k updates, nor once a stop is requested.) The admission bound
-alone keeps staleness within max_staleness, whenever a batch is taken.
+trainers' weights after exactly k updates.) The admission bound alone keeps staleness within
+max_staleness, whenever a batch is taken.
+
+A stop (SIGTERM/SIGINT) starts nothing: a batch taken after it was asked for, while the driver
+waited for one or prefetched during an update, goes back to the head of the queue. The update in
+flight finishes, its step is logged, and the stop's checkpoint holds that step.
 
 Checkpoints hold the queued groups and the tickets in flight: a resumed run trains the first and
 regenerates the second before anything new, so a stop loses no finished rollout.
@@ -54,6 +58,17 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
             ray.wait(loops, num_returns=len(loops), timeout=0 if run.stop.requested else cfg.ray.start_timeout_s)
             ray.get(queue.drain.remote(), timeout=wait)
 
+        def take(batch_ref) -> list:
+            """A batch taken from the queue (a get_batch call), or [] when a stop was asked for
+            meanwhile: after a stop nothing new starts, and the batch goes back to the queue, so the
+            stop's checkpoint holds it as queued."""
+            records = ray.get(batch_ref, timeout=wait + batch_wait)
+            if records and run.stop.requested:
+                ray.get(queue.put_back.remote(records), timeout=wait)
+                return []
+            restart_dead_loops()
+            return records
+
         def restart_dead_loops() -> None:
             ended, _ = ray.wait(loops, num_returns=len(loops), timeout=0)
             for i, loop in enumerate(loops):  # a rollout loop only ends early when its actor died
@@ -72,8 +87,7 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
         while run.step < total:
             if in_flight is None:
                 run.stop.check()  # SIGTERM/SIGINT: only here, with no update in flight (at most batch_wait late)
-                records = ray.get(queue.get_batch.remote(gps, batch_wait), timeout=wait + batch_wait)
-                restart_dead_loops()
+                records = take(queue.get_batch.remote(gps, batch_wait))
                 if not records:
                     continue
                 in_flight = run.start_train(records)
@@ -89,9 +103,7 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
             # taken from the queue may include a prefetched batch: samples/consumed is the run's (trained)
             queue_stats.pop("samples/consumed")
             if next_batch is not None:
-                records = ray.get(next_batch, timeout=wait + batch_wait)
-                restart_dead_loops()
-                in_flight = run.start_train(records)  # a prefetched batch is always trained: it left the queue
+                in_flight = run.start_train(take(next_batch))  # None: no batch, or a stop came during the update
             run.end_step(metrics, {**queue_stats, **sync})
         return run.log.summary({})
 
