@@ -11,9 +11,7 @@ import torch
 from async_flowgrpo.config import Config, resolve_model_path
 
 if TYPE_CHECKING:
-    from async_flowgrpo.algo import lr_factor
-    from async_flowgrpo.learner import Learner
-    from async_flowgrpo.nft_learner import NFTLearner
+    from async_flowgrpo.algorithms.base import Learner
 
 
 def set_cpu_threads(cpus: float) -> None:
@@ -79,7 +77,7 @@ def should_fuse_lora(cfg: Config, low_precision: bool) -> bool:
     if cfg.rollout.fuse_lora is not None:
         return cfg.rollout.fuse_lora
     a = cfg.algorithm
-    exact = a.name == "flow_grpo" and (a.is_correction == "step" or a.prox_mode == "bypass")
+    exact = a.name == "flow_grpo" and (a.flow_grpo.is_correction == "step" or a.flow_grpo.prox_mode == "bypass")
     return low_precision and not exact
 
 
@@ -93,14 +91,12 @@ def avoid_cudnn_attention_backward() -> None:
 
 
 def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch.device | None = None
-                  ) -> Learner | NFTLearner:
+                  ) -> Learner:
     """With trainer.fsdp or trainer.sequence_parallel > 1 the process group must exist already (their
     device meshes are built on it; every trainer calls this, in step).
     adapter: as in build_policy; device: the GPU when there is one, unless given."""
-    from async_flowgrpo import fsdp, seqpar
+    from async_flowgrpo import algorithms, fsdp, seqpar
     from async_flowgrpo.algo import lr_factor
-    from async_flowgrpo.learner import Learner
-    from async_flowgrpo.nft_learner import NFTLearner
     from async_flowgrpo.policy import default_dtype
 
     a, t = cfg.algorithm, cfg.trainer
@@ -126,32 +122,10 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
-    # what both learners take: the optimizer, batching and the data-parallel reduce
+    # what every algorithm's learner takes: the optimizer, batching and the data-parallel reduce
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
                                  warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio)
     shared = dict(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, adv_clip=a.adv_clip,
                   beta=a.beta, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
                   grad_all_reduce=grad_all_reduce, lr_schedule=schedule)
-    if a.name == "diffusion_nft":
-        return NFTLearner(
-            policy,
-            nft_beta=a.nft_beta,
-            timestep_fraction=a.nft_timestep_fraction,
-            decay_start=a.nft_decay_start,
-            decay_rate=a.nft_decay_rate,
-            decay_max=a.nft_decay_max,
-            # a group is at most max_staleness versions old when admitted and trained up to
-            # sync.every - 1 updates after a publication
-            keep_versions=a.max_staleness + cfg.sync.every + 1,
-            **shared,
-        )
-    return Learner(
-        policy,
-        clip_range=a.clip_range,
-        is_cap=a.is_cap,
-        is_correction=a.is_correction,
-        is_mode=a.is_mode,
-        prox_mode=a.prox_mode,
-        uncond_grad=a.uncond_grad,
-        **shared,
-    )
+    return algorithms.ALGORITHMS[a.name].build(policy, algorithms.settings(a), cfg, shared)

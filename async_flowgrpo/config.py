@@ -18,7 +18,11 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from async_flowgrpo import stop
-from async_flowgrpo.algo import IS_CORRECTIONS, IS_MODES, LR_SCHEDULES
+from async_flowgrpo import algorithms
+from async_flowgrpo.algo import LR_SCHEDULES
+from async_flowgrpo.algorithms.awm import AWMSettings
+from async_flowgrpo.algorithms.diffusion_nft import DiffusionNFTSettings
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOSettings
 from async_flowgrpo.models import FAMILIES, IMAGE_FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
 from async_flowgrpo.models.common import read_model_settings
 from async_flowgrpo.prompts import load_prompts
@@ -29,7 +33,7 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
 EMBEDDED_EDIT_MODEL = os.path.join(os.path.dirname(EMBEDDED_MODEL), "shapes_edit")  # model.path embedded_edit
 MODES = ("sync", "one_step_off", "fully_async")
-ALGORITHMS = ("flow_grpo", "diffusion_nft")
+ALGORITHMS = tuple(algorithms.ALGORITHMS)
 
 
 class ConfigError(ValueError):
@@ -38,7 +42,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model
+    path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model, "embedded_edit" = the shipped tiny edit model (config/shapes_edit.yaml)
     family: str = "sd3"  # sd3 | flux | qwen_image | wan | flux_kontext (the adapter itself is picked from model_index.json)
     lora_rank: int = 32  # 0 = full fine-tune
     lora_alpha: int = 64
@@ -81,7 +85,7 @@ class RolloutConfig:
     # frames per video (video families: wan), rollouts and evaluation; 0 = the model's own
     # (<model.path>/async_flowgrpo.json, else 81). num_frames - 1 must be a multiple of the VAE's temporal factor (Wan: 4)
     num_frames: int = 0
-    prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path
+    prompts: str = "shapes_train"  # shipped prompt set name or a .txt/.jsonl path; a JSONL row's "images" (a path or list, relative to the file) are an edit model's input images, each checked at start (exists, decodes, has the sampled size)
     prompt_mix: Optional[dict[str, float]] = None  # {kind: weight}: sample prompts by their JSONL "kind"
     seed: int = 0
 
@@ -140,31 +144,30 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "flow_grpo"  # flow_grpo | diffusion_nft (which also merges config/diffusion_nft.yaml)
+    # flow_grpo | diffusion_nft | awm (async_flowgrpo/algorithms/, one module each); a name other than
+    # flow_grpo also merges config/<name>.yaml
+    name: str = "flow_grpo"
     max_staleness: int = 1  # eta: admission control bound (0 = sync)
-    clip_range: float = 1e-4
-    adv_clip: float = 5.0
-    is_cap: float = 2.0  # cap of the staleness weight exp(prox - behav) (is_mode: what happens above it)
-    # what the staleness weight is (docs/design.md): element_mean = exp of the per-element-mean log-probs'
-    # difference (Flow-GRPO's scale, the D-th root of a step's ratio) | step = the step's whole latent,
-    # exp(D x that difference) | none = w 1 exactly, the same clipped objective against the proximal policy
-    is_correction: str = "element_mean"
-    is_mode: str = "truncate"  # a weight above is_cap: truncate (w = is_cap) | mask (w = 0, as AReaL)
+    adv_clip: float = 5.0  # advantages clipped to +-adv_clip (diffusion_nft maps them to r over it, awm scales by it)
     beta: float = 0.0  # KL to the reference (adapters disabled); config/base.yaml: 0.04, as Flow-GRPO's quality runs
-    prox_mode: str = "recompute"  # recompute | bypass
-    # with CFG, false: the gradient through the conditional branch only (flow_grpo's compute_log_prob
-    # detaches the unconditional half since its commit 2d76907); true: through both (its earlier code)
-    uncond_grad: bool = False
     global_std: bool = True
     mean_only: bool = False
     drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
     stale_policy: str = "block"  # block | drop (groups that still arrive older than eta)
-    # DiffusionNFT (algo.nft_loss); beta above is its KL coefficient on velocities, adv_clip maps A to r
-    nft_beta: float = 1.0  # implicit-policy strength: v+- = v_old +- beta (v_theta - v_old)
-    nft_timestep_fraction: float = 0.99  # trained noise levels per sample: this share of the sampler's
-    nft_decay_start: int = 0  # old-policy soft update old <- d old + (1 - d) theta: d = 0 before this update,
-    nft_decay_rate: float = 0.001  # then + rate per update,
-    nft_decay_max: float = 0.5  # up to this (the public code's defaults)
+    # each algorithm's own keys, in its module (algorithms/<name>.py): only the running one's are read
+    flow_grpo: FlowGRPOSettings = field(default_factory=FlowGRPOSettings)
+    diffusion_nft: DiffusionNFTSettings = field(default_factory=DiffusionNFTSettings)
+    awm: AWMSettings = field(default_factory=AWMSettings)
+
+
+# algorithm.* keys from before each algorithm had its own section: still accepted, as the new key
+# (in YAML files and key=value overrides alike)
+LEGACY_KEYS = {
+    **{f"algorithm.{k}": f"algorithm.flow_grpo.{k}"
+       for k in ("clip_range", "is_cap", "is_correction", "is_mode", "prox_mode", "uncond_grad")},
+    **{f"algorithm.nft_{k}": f"algorithm.diffusion_nft.{k}"
+       for k in ("beta", "timestep_fraction", "decay_start", "decay_rate", "decay_max")},
+}
 
 
 # Weight-sync defaults, also the sync package's (one default each)
@@ -298,13 +301,14 @@ def _merge(yaml_files: list[str], overrides: list[str]):
     for path in yaml_files:
         if not os.path.exists(path):
             raise ConfigError(f"config file not found: {path}")
-        loaded = OmegaConf.load(path)
+        loaded = _renamed(OmegaConf.load(path))
         cfg = OmegaConf.merge(cfg, loaded)
         # A file's reward.weights is the reward it means (a model file's replaces base.yaml's
         # shapes checker, which cannot score its images or videos); a merge would keep both.
         weights = OmegaConf.select(loaded, "reward.weights")
         if weights is not None:
             OmegaConf.update(cfg, "reward.weights", weights, merge=False)
+    overrides = [_renamed_override(o) for o in overrides]
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
     for override in overrides:
         # A whole-dict value (reward.weights={jpeg_incompressibility: 1.0}) replaces the
@@ -313,6 +317,22 @@ def _merge(yaml_files: list[str], overrides: list[str]):
         if value.lstrip().startswith("{"):
             OmegaConf.update(cfg, key, OmegaConf.select(OmegaConf.from_dotlist([override]), key), merge=False)
     return cfg
+
+
+def _renamed(loaded):
+    """A YAML file's legacy algorithm keys (LEGACY_KEYS) moved to their new place."""
+    section = loaded.get("algorithm") if OmegaConf.is_dict(loaded) else None
+    for old, new in LEGACY_KEYS.items():
+        key = old.split(".", 1)[1]
+        if OmegaConf.is_dict(section) and key in section:
+            value = section.pop(key)
+            OmegaConf.update(loaded, new, value, merge=True)
+    return loaded
+
+
+def _renamed_override(override: str) -> str:
+    key, sep, value = override.partition("=")
+    return LEGACY_KEYS.get(key, key) + sep + value
 
 
 def to_yaml(config: Config) -> str:
@@ -458,32 +478,23 @@ def validate(c: Config) -> None:
 
     a = c.algorithm
     _require(a.max_staleness >= 0, "algorithm.max_staleness", "must be >= 0")
-    _require(a.clip_range > 0, "algorithm.clip_range", "must be > 0")
     _require(a.adv_clip > 0, "algorithm.adv_clip", "must be > 0")
-    _require(a.is_cap >= 1, "algorithm.is_cap", "must be >= 1")
     _require(a.beta >= 0, "algorithm.beta", "must be >= 0")
-    _choice(a.prox_mode, "algorithm.prox_mode", ("recompute", "bypass"))
-    _choice(a.is_correction, "algorithm.is_correction", IS_CORRECTIONS)
-    _choice(a.is_mode, "algorithm.is_mode", IS_MODES)
     _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
     _choice(a.name, "algorithm.name", ALGORITHMS)
     _choice(r.sampler, "rollout.sampler", ("sde", "ode"))
-    if a.name == "flow_grpo":
-        _require(r.sampler == "sde", "rollout.sampler", "flow_grpo trains on the log-probs of an SDE window; use sde")
-    else:
-        _require(r.sampler == "ode", "rollout.sampler", "diffusion_nft trains on final latents of ODE samples; use ode")
+    algorithm = algorithms.ALGORITHMS[a.name]
+    needs = {"sde": "the log-probs of an SDE window", "ode": "final latents of ODE samples"}[algorithm.SAMPLER]
+    _require(r.sampler == algorithm.SAMPLER, "rollout.sampler", f"{a.name} trains on {needs}; use {algorithm.SAMPLER}")
+    if algorithm.SAMPLER == "ode":
         _require(not r.shared_initial_noise, "rollout.shared_initial_noise",
                  "an ODE sample is fixed by its initial noise: a group would be n copies of one image; use false")
-        _require(r.engine == "diffusers", "rollout.engine", "diffusion_nft rollouts need the diffusers engine for now")
-        _require(not t.fsdp, "trainer.fsdp", "diffusion_nft trains replicated weights for now; use false")
+        _require(r.engine == "diffusers", "rollout.engine", f"{a.name} rollouts need the diffusers engine for now")
+        _require(not t.fsdp, "trainer.fsdp", f"{a.name} trains replicated weights for now; use false")
         _require(c.mode != "fully_async" or c.sync.update_point == "between_groups", "sync.update_point",
-                 "diffusion_nft in fully_async needs between_groups: a sample made by two weight versions has no "
-                 "exact old-policy velocity")
-        _require(a.nft_beta > 0, "algorithm.nft_beta", "must be > 0")
-        _require(0 < a.nft_timestep_fraction <= 1, "algorithm.nft_timestep_fraction", "must be in (0, 1]")
-        _require(a.nft_decay_start >= 0, "algorithm.nft_decay_start", "must be >= 0")
-        _require(a.nft_decay_rate >= 0, "algorithm.nft_decay_rate", "must be >= 0")
-        _require(0 <= a.nft_decay_max < 1, "algorithm.nft_decay_max", "must be in [0, 1) (1 would freeze the sampling policy)")
+                 f"{a.name} in fully_async needs between_groups: a sample made by two weight versions has no "
+                 "exact sampling-policy score")
+    algorithm.validate(getattr(a, a.name), c, _require)
     _require(not (a.beta > 0 and c.model.lora_rank == 0), "algorithm.beta",
              f"{a.beta:g}: KL to the reference needs LoRA (model.lora_rank > 0); with model.lora_rank=0 set algorithm.beta=0")
     if c.mode == "sync":

@@ -103,18 +103,48 @@ def _sections() -> list[tuple[str, type]]:
 
 
 def _yaml_keys(path: str) -> dict[str, Any]:
-    """A shipped YAML file as {section.key: value} (a dict value, like reward.weights, stays whole)."""
+    """A shipped YAML file as {section.key: value}: a dict value stays whole (reward.weights), except
+    an algorithm's own section (algorithm.<name>), whose keys are listed one by one."""
     out = {}
     for section, value in OmegaConf.to_container(OmegaConf.load(path)).items():
-        if isinstance(value, dict):
-            out.update({f"{section}.{k}": v for k, v in value.items()})
-        else:
+        if not isinstance(value, dict):
             out[section] = value
+            continue
+        defaults = getattr(Config(), section, None)
+        for k, v in value.items():
+            if isinstance(v, dict) and dataclasses.is_dataclass(getattr(defaults, k, None)):
+                out.update({f"{section}.{k}.{kk}": vv for kk, vv in v.items()})
+            else:
+                out[f"{section}.{k}"] = v
     return out
 
 
 def _escape(text: str) -> str:
     return text.replace("|", "\\|")
+
+
+def _table(name: str, defaults: Any, launched: Any, intro: str = "") -> list[str]:
+    """A section's table; a field that is itself a dataclass (an algorithm's own settings,
+    algorithm.<name>.*) gets a table of its own after it."""
+    cls = type(defaults)
+    comments = field_comments(cls)
+    out = [f"## {name}\n"] + ([f"{intro}\n"] if intro else [])
+    out.append("| key | type | default | launch default | description |\n| --- | --- | --- | --- | --- |")
+    nested = []
+    for f in dataclasses.fields(cls):
+        default, at_launch = getattr(defaults, f.name), getattr(launched, f.name)
+        if dataclasses.is_dataclass(default):
+            doc = inspect.getdoc(type(default)) or ""
+            intro = "" if doc.startswith(type(default).__name__ + "(") else doc  # not dataclass's own signature
+            nested.append((f"{name}.{f.name}", default, at_launch, intro))
+            continue
+        shown = "" if at_launch == default else f"`{_escape(_fmt(at_launch))}`"
+        out.append(f"| `{name}.{f.name}` | {_escape(_type_name(f.type))} | `{_escape(_fmt(default))}` | {shown} | "
+                   f"{_escape(comments.get(f.name, ''))} |")
+    out.append("")
+    for sub, default, at_launch, comment in nested:
+        out += _table(sub, default, at_launch, comment)
+    return out
 
 
 def render() -> str:
@@ -129,17 +159,7 @@ def render() -> str:
     out.append(f"| `mode` | str | {_fmt(Config().mode)} | set by the launcher | one of {', '.join(MODES)} "
                f"{_escape(top.get('mode', ''))}".rstrip() + " |\n")
     for name, cls in _sections():
-        out.append(f"## {name}\n")
-        comments = field_comments(cls)
-        defaults = cls()
-        launched = getattr(launch, name)
-        out.append("| key | type | default | launch default | description |\n| --- | --- | --- | --- | --- |")
-        for f in dataclasses.fields(cls):
-            default, at_launch = getattr(defaults, f.name), getattr(launched, f.name)
-            shown = "" if at_launch == default else f"`{_escape(_fmt(at_launch))}`"
-            out.append(f"| `{name}.{f.name}` | {_escape(_type_name(f.type))} | `{_escape(_fmt(default))}` | {shown} | "
-                       f"{_escape(comments.get(f.name, ''))} |")
-        out.append("")
+        out += _table(name, cls(), getattr(launch, name))
     out.append("## Mode files\n")
     out.append("What each launcher's `config/<mode>.yaml` sets on top of `config/base.yaml`:\n")
     out.append("| file | sets |\n| --- | --- |")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from async_flowgrpo import algo
+from async_flowgrpo.algorithms import diffusion_nft, flow_grpo
 
 SHAPE = (4, 3, 5, 6)  # [B, C, H, W]
 B = SHAPE[0]
@@ -327,7 +328,7 @@ def test_policy_loss_matches_reference():
     prox = lp + rand(6, 3, seed=41).float() * 0.01
     behav = prox + rand(6, 3, seed=42).float() * 0.5
     adv = rand(6, seed=43).float() * 4  # some beyond adv_clip
-    loss, m = algo.policy_loss(lp, prox, behav, adv, clip_range=0.005, adv_clip=5.0, is_cap=1.5)
+    loss, m = flow_grpo.policy_loss(lp, prox, behav, adv, clip_range=0.005, adv_clip=5.0, is_cap=1.5)
     rloss, u, w = ref_policy_loss(lp, prox, behav, adv, 0.005, 5.0, 1.5)
     close(loss, rloss, rtol=1e-5, atol=1e-7)
     close(m["policy/clip_frac"], ((u - 1).abs() > 0.005).double().mean())
@@ -343,7 +344,7 @@ def test_policy_loss_gradient_sign():
     prox = torch.zeros(4)
     lp = torch.zeros(4, requires_grad=True)
     adv = torch.tensor([1.0, -1.0, 2.0, 0.0])
-    loss, _ = algo.policy_loss(lp, prox, prox, adv, clip_range=0.2, adv_clip=5.0, is_cap=2.0)
+    loss, _ = flow_grpo.policy_loss(lp, prox, prox, adv, clip_range=0.2, adv_clip=5.0, is_cap=2.0)
     loss.backward()
     # minimising the loss moves logp along -grad: up for positive advantage, down for negative
     assert lp.grad[0] < 0 and lp.grad[2] < lp.grad[0] and lp.grad[1] > 0 and lp.grad[3] == 0
@@ -355,7 +356,7 @@ def test_policy_loss_clipping_zeroes_gradient_outside_trust_region():
     # 0.5 (A>0: not clipped, pessimistic branch keeps the gradient), 1.05 (inside)
     lp = torch.log(torch.tensor([1.5, 0.5, 0.5, 1.05])).requires_grad_()
     adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
-    loss, m = algo.policy_loss(lp, prox, prox, adv, clip_range=0.2, adv_clip=5.0, is_cap=2.0)
+    loss, m = flow_grpo.policy_loss(lp, prox, prox, adv, clip_range=0.2, adv_clip=5.0, is_cap=2.0)
     loss.backward()
     assert lp.grad[0] == 0 and lp.grad[1] == 0
     assert lp.grad[2] != 0 and lp.grad[3] != 0
@@ -365,11 +366,11 @@ def test_policy_loss_clipping_zeroes_gradient_outside_trust_region():
 def test_bypass_mode_weights_are_one_and_is_cap_truncates():
     lp = rand(8, seed=50).float()
     behav = lp + 0.3 * rand(8, seed=51).float()
-    _, m = algo.policy_loss(lp, behav, behav, torch.ones(8), clip_range=0.2, adv_clip=5.0, is_cap=2.0)
+    _, m = flow_grpo.policy_loss(lp, behav, behav, torch.ones(8), clip_range=0.2, adv_clip=5.0, is_cap=2.0)
     assert m["is/weight_mean"] == 1 and m["is/weight_max"] == 1 and m["is/ess"] == pytest.approx(1.0)
-    w = algo.importance_weights(torch.tensor([0.0, 2.0, -1.0]), torch.zeros(3), is_cap=3.0)
+    w = flow_grpo.importance_weights(torch.tensor([0.0, 2.0, -1.0]), torch.zeros(3), is_cap=3.0)
     torch.testing.assert_close(w, torch.tensor([1.0, 3.0, math.exp(-1.0)]))
-    assert torch.equal(algo.importance_weights(torch.tensor([2.0]), torch.zeros(1), None), torch.tensor([math.exp(2.0)]))
+    assert torch.equal(flow_grpo.importance_weights(torch.tensor([2.0]), torch.zeros(1), None), torch.tensor([math.exp(2.0)]))
 
 
 def test_step_correction_is_the_summed_log_ratio_capped_or_masked():
@@ -378,23 +379,23 @@ def test_step_correction_is_the_summed_log_ratio_capped_or_masked():
     d = 256
     prox = torch.tensor([0.0, 0.5, -1.0, 2.0]) / d
     behav = torch.zeros(4)
-    log_w = algo.log_importance_weights(prox, behav, correction="step", elements=d)
+    log_w = flow_grpo.log_importance_weights(prox, behav, correction="step", elements=d)
     torch.testing.assert_close(log_w, torch.tensor([0.0, 0.5, -1.0, 2.0]))
     raw = torch.exp(log_w)
-    trunc = algo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="truncate")
-    mask = algo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="mask")
+    trunc = flow_grpo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="truncate")
+    mask = flow_grpo.importance_weights(prox, behav, 1.5, correction="step", elements=d, mode="mask")
     torch.testing.assert_close(trunc, torch.tensor([1.0, 1.5, raw[2].item(), 1.5]))
     torch.testing.assert_close(mask, torch.tensor([1.0, 0.0, raw[2].item(), 0.0]))
     # element_mean (the default) is the D-th root: the same log-probs give weights within 1%
-    assert (algo.importance_weights(prox, behav, 1.5) - 1).abs().max() < 0.01
+    assert (flow_grpo.importance_weights(prox, behav, 1.5) - 1).abs().max() < 0.01
     # a ratio far beyond float range is capped, not inf (the cap is applied in log space)
-    huge = algo.importance_weights(torch.tensor([1.0]), torch.zeros(1), 2.0, correction="step", elements=10**4)
+    huge = flow_grpo.importance_weights(torch.tensor([1.0]), torch.zeros(1), 2.0, correction="step", elements=10**4)
     assert huge.item() == 2.0
-    assert algo.capped_fraction(log_w, 1.5).item() == 0.5 and algo.capped_fraction(log_w, None).item() == 0.0
+    assert flow_grpo.capped_fraction(log_w, 1.5).item() == 0.5 and flow_grpo.capped_fraction(log_w, None).item() == 0.0
     with pytest.raises(ValueError, match="is_correction"):
-        algo.log_importance_weights(prox, behav, correction="sum")
+        flow_grpo.log_importance_weights(prox, behav, correction="sum")
     with pytest.raises(ValueError, match="is_mode"):
-        algo.importance_weights(prox, behav, 2.0, mode="clip")
+        flow_grpo.importance_weights(prox, behav, 2.0, mode="clip")
 
 
 def test_policy_loss_correction_none_and_mask():
@@ -405,11 +406,11 @@ def test_policy_loss_correction_none_and_mask():
     behav = prox + (rand(6, 3, seed=62) * 0.01).float()  # stale: behav != prox
     adv = rand(6, seed=63).float()
     kw = dict(clip_range=0.005, adv_clip=5.0, is_cap=2.0, elements=100)
-    off, m = algo.policy_loss(lp, prox, behav, adv, is_correction="none", **kw)
-    fresh, _ = algo.policy_loss(lp, prox, prox, adv, **kw)
+    off, m = flow_grpo.policy_loss(lp, prox, behav, adv, is_correction="none", **kw)
+    fresh, _ = flow_grpo.policy_loss(lp, prox, prox, adv, **kw)
     assert torch.equal(off, fresh)
     assert m["is/weight_mean"] == 1 and m["is/weight_max"] == 1 and m["is/capped_frac"] == 0
-    masked, m = algo.policy_loss(lp, prox, behav, adv, is_correction="step", is_mode="mask", **kw)
+    masked, m = flow_grpo.policy_loss(lp, prox, behav, adv, is_correction="step", is_mode="mask", **kw)
     log_w = 100 * (prox.double() - behav.double())
     keep = log_w <= math.log(2.0)
     assert 0 < keep.sum() < keep.numel()
@@ -424,9 +425,9 @@ def test_policy_loss_correction_none_and_mask():
 
 
 def test_effective_sample_size():
-    assert algo.effective_sample_size(torch.full((10,), 0.3)).item() == pytest.approx(1.0)
+    assert flow_grpo.effective_sample_size(torch.full((10,), 0.3)).item() == pytest.approx(1.0)
     w = torch.tensor([1.0, 0.1, 0.1, 0.1])
-    ess = algo.effective_sample_size(w).item()
+    ess = flow_grpo.effective_sample_size(w).item()
     assert 0 < ess < 1 and ess == pytest.approx(1.3**2 / (4 * 1.03))
 
 
@@ -434,7 +435,7 @@ def test_policy_loss_detaches_prox_and_behav():
     lp = torch.zeros(3, requires_grad=True)
     prox = torch.zeros(3, requires_grad=True)
     behav = torch.zeros(3, requires_grad=True)
-    loss, _ = algo.policy_loss(lp, prox, behav, torch.ones(3), clip_range=0.2, adv_clip=5.0, is_cap=2.0)
+    loss, _ = flow_grpo.policy_loss(lp, prox, behav, torch.ones(3), clip_range=0.2, adv_clip=5.0, is_cap=2.0)
     loss.backward()
     assert lp.grad is not None and prox.grad is None and behav.grad is None
 
@@ -471,17 +472,17 @@ def nft_inputs(seed=0):
 def test_nft_loss_matches_float64_formula(beta):
     v_theta, v_old, x_t, x0, eps, s = nft_inputs()
     r = torch.tensor([0.0, 0.3, 0.5, 1.0], dtype=torch.float64)
-    got = algo.nft_loss(v_theta.float(), v_old.float(), x_t.float(), x0.float(), s.float(), r.float(), beta=beta)
+    got = diffusion_nft.nft_loss(v_theta.float(), v_old.float(), x_t.float(), x0.float(), s.float(), r.float(), beta=beta)
     assert got.dtype == torch.float32 and got.shape == (B,)
     torch.testing.assert_close(got.double(), ref_nft(v_theta, v_old, x0, eps, s, r, beta), rtol=1e-5, atol=1e-5)
     # float64 in, float64 out (and exact)
-    exact = algo.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=beta)
+    exact = diffusion_nft.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=beta)
     torch.testing.assert_close(exact, ref_nft(v_theta, v_old, x0, eps, s, r, beta), rtol=1e-12, atol=1e-12)
 
 
 def _nft_grad(v_theta, v_old, x_t, x0, s, r, beta):
     v = v_theta.clone().requires_grad_(True)
-    algo.nft_loss(v, v_old, x_t, x0, s, r, beta=beta).sum().backward()
+    diffusion_nft.nft_loss(v, v_old, x_t, x0, s, r, beta=beta).sum().backward()
     return v.grad
 
 
@@ -490,10 +491,10 @@ def test_nft_reward_all_one_is_flow_matching_toward_the_sample_all_zero_away():
     ones, zeros = torch.ones(B, dtype=torch.float64), torch.zeros(B, dtype=torch.float64)
     # r = 1, beta = 1: v+ = v_theta, the loss is the (adaptive-weighted) flow-matching loss of v_theta alone
     fm = ref_nft(v_theta, v_theta, x0, eps, s, ones, 1.0)
-    torch.testing.assert_close(algo.nft_loss(v_theta, v_old, x_t, x0, s, ones, beta=1.0), fm, rtol=1e-12, atol=0)
+    torch.testing.assert_close(diffusion_nft.nft_loss(v_theta, v_old, x_t, x0, s, ones, beta=1.0), fm, rtol=1e-12, atol=0)
     # r = 0, beta = 1: only the negative policy 2 v_old - v_theta is fitted
     neg = ref_nft(2 * v_old - v_theta, 2 * v_old - v_theta, x0, eps, s, ones, 1.0)
-    torch.testing.assert_close(algo.nft_loss(v_theta, v_old, x_t, x0, s, zeros, beta=1.0), neg, rtol=1e-12, atol=0)
+    torch.testing.assert_close(diffusion_nft.nft_loss(v_theta, v_old, x_t, x0, s, zeros, beta=1.0), neg, rtol=1e-12, atol=0)
     # from v_theta = v_old, a small gradient step moves v_theta toward the target for r = 1, away for r = 0
     target = eps - x0
     for r, closer in ((ones, True), (zeros, False)):
@@ -522,15 +523,15 @@ def test_nft_beta_to_zero_gradient_has_the_derived_limit():
     gaps = [float((_nft_grad(v_theta, v_old, x_t, x0, s, r, beta) - limit).abs().max()) for beta in (1e-2, 1e-4, 1e-6)]
     assert gaps[0] > gaps[1] > gaps[2] and gaps[2] < 1e-6 * float(limit.abs().max())
     # the loss value itself stays finite for small beta (it grows like 1/beta)
-    assert torch.isfinite(algo.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=1e-6)).all()
+    assert torch.isfinite(diffusion_nft.nft_loss(v_theta, v_old, x_t, x0, s, r, beta=1e-6)).all()
 
 
 def test_nft_optimality_and_old_decay():
     adv = torch.tensor([-9.0, -5.0, -2.5, 0.0, 2.5, 5.0, 9.0])
-    torch.testing.assert_close(algo.nft_optimality(adv, 5.0), torch.tensor([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]))
+    torch.testing.assert_close(diffusion_nft.nft_optimality(adv, 5.0), torch.tensor([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0]))
     decay = dict(start=75, rate=0.0075, max_decay=0.999)  # the public code's decay_type 2
-    assert algo.nft_old_decay(0, **decay) == 0.0 and algo.nft_old_decay(74, **decay) == 0.0
-    assert algo.nft_old_decay(175, **decay) == pytest.approx(0.75) and algo.nft_old_decay(10_000, **decay) == 0.999
+    assert diffusion_nft.nft_old_decay(0, **decay) == 0.0 and diffusion_nft.nft_old_decay(74, **decay) == 0.0
+    assert diffusion_nft.nft_old_decay(175, **decay) == pytest.approx(0.75) and diffusion_nft.nft_old_decay(10_000, **decay) == 0.999
 
 
 def test_lr_factor_warmup_then_decay():

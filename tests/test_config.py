@@ -70,11 +70,11 @@ BAD_CONFIGS = [
     (["trainer.resume=/no/such/run"], "trainer.resume"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
     (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
-    (["algorithm.clip_range=0"], "algorithm.clip_range"),
-    (["algorithm.is_cap=0.5"], "algorithm.is_cap"),
-    (["algorithm.prox_mode=magic"], "algorithm.prox_mode"),
-    (["algorithm.is_correction=sum"], "algorithm.is_correction"),
-    (["algorithm.is_mode=clip"], "algorithm.is_mode"),
+    (["algorithm.flow_grpo.clip_range=0"], "algorithm.flow_grpo.clip_range"),
+    (["algorithm.flow_grpo.is_cap=0.5"], "algorithm.flow_grpo.is_cap"),
+    (["algorithm.flow_grpo.prox_mode=magic"], "algorithm.flow_grpo.prox_mode"),
+    (["algorithm.flow_grpo.is_correction=sum"], "algorithm.flow_grpo.is_correction"),
+    (["algorithm.flow_grpo.is_mode=clip"], "algorithm.flow_grpo.is_mode"),
     (["algorithm.stale_policy=ignore"], "algorithm.stale_policy"),
     (["algorithm.beta=0.04", "model.lora_rank=0"], "algorithm.beta"),
     (["model.lora_rank=-4"], "model.lora_rank"),
@@ -172,10 +172,10 @@ def test_an_engine_that_is_not_installed(model, monkeypatch):
 def test_staleness_correction_settings(model):
     """The off switch and the per-step weight load from the dot-list; the default is today's."""
     cfg = load_config("fully_async", [model, "algorithm.is_correction=none"])
-    assert (cfg.algorithm.is_correction, cfg.algorithm.is_mode) == ("none", "truncate")
+    assert (cfg.algorithm.flow_grpo.is_correction, cfg.algorithm.flow_grpo.is_mode) == ("none", "truncate")
     cfg = load_config("fully_async", [model, "algorithm.is_correction=step", "algorithm.is_mode=mask"])
-    assert (cfg.algorithm.is_correction, cfg.algorithm.is_mode) == ("step", "mask")
-    assert load_config("sync", [model]).algorithm.is_correction == "element_mean"  # today's, the default
+    assert (cfg.algorithm.flow_grpo.is_correction, cfg.algorithm.flow_grpo.is_mode) == ("step", "mask")
+    assert load_config("sync", [model]).algorithm.flow_grpo.is_correction == "element_mean"  # today's, the default
 
 
 def test_new_safety_settings_are_validated(model):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from async_flowgrpo import algo
+from async_flowgrpo.algorithms import flow_grpo
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.policy import DiffusionPolicy
 from async_flowgrpo.learner import Learner
@@ -160,7 +161,7 @@ def test_staleness_correction_options(model_dir):
 
     for mode, cap in (("truncate", 2.0), ("mask", 1.0)):
         m, _ = update(stale, is_correction="step", is_mode=mode, is_cap=cap)
-        w = algo.importance_weights(prox, behav, cap, correction="step", mode=mode, elements=d)
+        w = flow_grpo.importance_weights(prox, behav, cap, correction="step", mode=mode, elements=d)
         assert m["is/weight_mean"] == pytest.approx(float(w.mean()), rel=1e-4)
         assert m["is/weight_max"] == pytest.approx(float(w.max()), rel=1e-4) and m["is/weight_max"] <= cap
         above = float((d * (prox - behav) > math.log(cap)).float().mean())
@@ -318,7 +319,7 @@ def stepwise_update(policy, groups, *, micro, beta, uncond_grad):
             )
             behav = torch.stack([g.log_probs[k, j] for g, k in batch])
             adv = torch.stack([g.advantages[k] for g, k in batch])
-            loss, _ = algo.policy_loss(log_prob, log_prob.detach(), behav, adv, clip_range=1e-4, adv_clip=5.0, is_cap=2.0)
+            loss, _ = flow_grpo.policy_loss(log_prob, log_prob.detach(), behav, adv, clip_range=1e-4, adv_clip=5.0, is_cap=2.0)
             if beta > 0:
                 loss = loss + beta * algo.kl_penalty(mean, ref_mean, algo.kl_std(std.detach(), sigma, sigma_next, "sde")).mean()
             (loss * (len(batch) / n_pairs)).backward()

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from async_flowgrpo import algo
+from async_flowgrpo.algorithms import diffusion_nft
 from async_flowgrpo.config import load_config
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.nft_learner import NFTLearner
@@ -54,7 +55,7 @@ def batch_loss(learner, groups, seed):
     v_old, _ = learner._old_velocities(points, 1.0)
     with torch.no_grad():
         v = learner._velocity(points, slice(None), 1.0)
-        return float(algo.nft_loss(v, v_old, points.x_t, points.x0, points.sigma, points.r, beta=learner.nft_beta).mean())
+        return float(diffusion_nft.nft_loss(v, v_old, points.x_t, points.x0, points.sigma, points.r, beta=learner.nft_beta).mean())
 
 
 def test_train_step_lowers_the_batch_loss_and_publishes_the_old_copy(model_dir):
@@ -79,7 +80,7 @@ def test_train_step_lowers_the_batch_loss_and_publishes_the_old_copy(model_dir):
     # decay 0.001 after 1 update: the published old copy is 0.001 old + 0.999 theta
     for k in theta:
         torch.testing.assert_close(learner.sampling_state()[k], 0.001 * before_weights[k] + 0.999 * theta[k])
-    assert learner.snapshots.keys() == {0, 1}
+    assert learner.snapshots.copies.keys() == {0, 1}
 
 
 def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
@@ -90,7 +91,7 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     stale = rollout(rollout_policy, seed=1, version=0)
     learner.train_step(rollout(rollout_policy, seed=2, version=0), version=0)
     learner.train_step(rollout(rollout_policy, seed=3, version=0), version=1)  # stale by one: still snapshotted
-    assert learner.snapshots.keys() == {1, 2}  # version 0 is beyond keep_versions now
+    assert learner.snapshots.copies.keys() == {1, 2}  # version 0 is beyond keep_versions now
 
     # a group of version 1 is scored with the weights published at version 1, not today's
     theta = clone(learner.policy.trainable_state())
@@ -100,7 +101,7 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     points = learner._points(stale)
     v_old, missing = learner._old_velocities(points, 1.0)
     assert missing == 0
-    rollout_policy.load_trainable_state(learner.snapshots[1])
+    rollout_policy.load_trainable_state(learner.snapshots.copies[1])
     expected = rollout_policy.velocity(points.x_t, points.sigma, points.embeds[points.group], points.pooled[points.group])
     torch.testing.assert_close(v_old, expected.detach())
     assert all(torch.equal(v, theta[k]) for k, v in learner.policy.trainable_state().items())  # theta restored
@@ -137,16 +138,16 @@ def test_config_selects_nft_in_every_mode(model_dir):
         cfg = load_config(mode, [f"model.path={model_dir}", "algorithm.name=diffusion_nft", "model.lora_rank=4"])
         assert rollout_sampling(cfg.rollout)["window_size"] == 0 and cfg.rollout.guidance_scale == 1.0
     learner = build_learner(cfg)
-    assert isinstance(learner, NFTLearner) and learner.keep_versions == 3
-    assert learner.nft_beta == cfg.algorithm.nft_beta
+    assert isinstance(learner, NFTLearner) and learner.snapshots.keep == 3
+    assert learner.nft_beta == cfg.algorithm.diffusion_nft.beta
 
 
 @pytest.mark.parametrize("args, key", [
     (["algorithm.name=ppo"], "algorithm.name"),
     (["algorithm.name=diffusion_nft", "rollout.sampler=sde"], "rollout.sampler"),
     (["rollout.sampler=ode"], "rollout.sampler"),  # flow_grpo needs the SDE window's log-probs
-    (["algorithm.name=diffusion_nft", "algorithm.nft_beta=0"], "algorithm.nft_beta"),
-    (["algorithm.name=diffusion_nft", "algorithm.nft_decay_max=1"], "algorithm.nft_decay_max"),
+    (["algorithm.name=diffusion_nft", "algorithm.nft_beta=0"], "algorithm.diffusion_nft.beta"),
+    (["algorithm.name=diffusion_nft", "algorithm.nft_decay_max=1"], "algorithm.diffusion_nft.decay_max"),
     (["algorithm.name=diffusion_nft", "rollout.shared_initial_noise=true"], "rollout.shared_initial_noise"),
 ])
 def test_bad_nft_config_is_one_line_naming_the_key(args, key):
@@ -202,7 +203,7 @@ def test_points_in_one_call_equal_one_point_at_a_time(family, tmp_path):
     total = 0.0
     for i in range(len(points)):  # one point per call
         v = learner._velocity(points, slice(i, i + 1), 1.0)
-        loss = algo.nft_loss(v, v_old[i : i + 1], points.x_t[i : i + 1], points.x0[i : i + 1], points.sigma[i : i + 1],
+        loss = diffusion_nft.nft_loss(v, v_old[i : i + 1], points.x_t[i : i + 1], points.x0[i : i + 1], points.sigma[i : i + 1],
                              points.r[i : i + 1], beta=learner.nft_beta).sum()
         loss = loss + 0.1 * ((v - learner._velocity(points, slice(i, i + 1), 1.0, reference=True)) ** 2).mean()
         (loss / len(points)).backward()

@@ -17,6 +17,7 @@ from conftest import load_benchmark
 import torch
 
 from async_flowgrpo import algo
+from async_flowgrpo.algorithms import flow_grpo
 from async_flowgrpo.learner import Learner
 from async_flowgrpo.policy import DiffusionPolicy
 
@@ -109,7 +110,7 @@ def _reference_grads(policy, groups, params, **loss_kw):
             g.prompt_embeds[None], g.pooled_prompt_embeds[None], *neg,
             guidance_scale=CFG, noise_level=0.7, sde_type="sde",
         )
-        pg, _ = algo.policy_loss(log_prob, log_prob.detach(), g.log_probs[k, j][None], g.advantages[k][None], **loss_kw)
+        pg, _ = flow_grpo.policy_loss(log_prob, log_prob.detach(), g.log_probs[k, j][None], g.advantages[k][None], **loss_kw)
         (pg / len(pairs)).backward()
     grads = [p.grad.clone() for p in params]
     for p in params:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from async_flowgrpo import algorithms
 from async_flowgrpo.builders import build_engine
 from async_flowgrpo.conditioning import with_sources
 from async_flowgrpo.config import Config
@@ -81,7 +82,8 @@ class RolloutWorker:
                 group_seed(self.cfg.rollout.seed, ticket),
                 prompt_indices=[ticket],
                 metadata=[with_sources(prompt)],  # an edit model's input images, loaded once per group
-                **self.sampling,
+                # the algorithm may place the window by the weights held (MixGRPO's moving window)
+                **algorithms.rollout_sampling(self.cfg.algorithm, self.sampling, self.engine.version),
             )[0]
             group.worker_id = self.worker_id
             if group.versions.numel() and group.versions.min() != group.versions.max():
