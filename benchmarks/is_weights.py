@@ -107,7 +107,7 @@ def main(argv=None) -> None:
         if olds:
             learner.policy.load_trainable_state(weights[b])
             for s, old in olds:
-                diffs[s].append(step_log_probs(learner.policy, batches[old], cfg.algorithm.uncond_grad) - behav[old])
+                diffs[s].append(step_log_probs(learner.policy, batches[old], cfg.algorithm.flow_grpo.uncond_grad) - behav[old])
 
     result = {"command": " ".join(["python benchmarks/is_weights.py", *(argv if argv is not None else sys.argv[1:])]),
               "latent_elements": elements, "lr": cfg.trainer.lr, "lr_schedule": cfg.trainer.lr_schedule,
