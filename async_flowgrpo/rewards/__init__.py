@@ -32,6 +32,8 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "clip_score": "async_flowgrpo.rewards.clip_score:clip_score",
     "pickscore": "async_flowgrpo.rewards.clip_score:pickscore",
     "aesthetic": "async_flowgrpo.rewards.aesthetic:aesthetic",
+    "hpsv2": "async_flowgrpo.rewards.preference:hpsv2",
+    "imagereward": "async_flowgrpo.rewards.preference:imagereward",
     "remote": "async_flowgrpo.rewards.remote:remote",
     "ocr": "async_flowgrpo.rewards.remote:ocr",
     "geneval": "async_flowgrpo.rewards.remote:geneval",

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +72,9 @@ class ClipEncoder:
         dtype: str = "float32",
         preprocess: str = "processor",
         reward: str = "clip",
+        build_model: Optional[Callable[[], "torch.nn.Module"]] = None,
     ):
+        """build_model: makes the CLIPModel instead of from_pretrained(path) (HPSv2's open_clip checkpoint)."""
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
         if dtype not in _DTYPES:
@@ -84,7 +86,7 @@ class ClipEncoder:
         self.dtype = _DTYPES[dtype]
         self.preprocess = preprocess
         try:
-            model = CLIPModel.from_pretrained(path, local_files_only=True)
+            model = build_model() if build_model is not None else CLIPModel.from_pretrained(path, local_files_only=True)
         except Exception as e:
             raise RuntimeError(f"{reward}: could not load a CLIPModel from '{path}': {_first_line(e)}") from e
         try:
@@ -185,6 +187,7 @@ def load_clip_encoder(
     dtype: str = "float32",
     preprocess: str = "processor",
     reward: str = "clip",
+    build_model: Optional[Callable[[], "torch.nn.Module"]] = None,
 ) -> ClipEncoder:
     """A process-wide cached ClipEncoder (paths must already be resolved)."""
     device = str(torch.device(device or default_device()))
@@ -192,7 +195,7 @@ def load_clip_encoder(
     with _LOCK:
         enc = _CACHE.get(key)
         if enc is None:
-            enc = _CACHE[key] = ClipEncoder(path, processor_path, device, dtype, preprocess, reward)
+            enc = _CACHE[key] = ClipEncoder(path, processor_path, device, dtype, preprocess, reward, build_model)
     return enc
 
 
