@@ -240,3 +240,16 @@ def test_evaluation_scores_edits_and_grids_source_beside_result(kontext_dir, edi
     assert result["images"].shape == (4, 32, 32, 3) and result["nrow"] == 8
     assert torch.equal(result["images"][0], with_sources(prompts[0])[SOURCE_IMAGES][0])  # the source, then its result
     assert result["captions"] == [prompts[0].text, "-> result", prompts[1].text, "-> result"]
+
+
+def test_trained_lora_loads_into_flux_kontext_pipeline(policy, tmp_path, kontext_dir):
+    from diffusers import FluxKontextPipeline
+
+    state = {k: torch.randn_like(v) for k, v in policy.trainable_state().items()}  # (B != 0: a trained LoRA)
+    policy.adapter.save_lora(str(tmp_path / "lora"), state)
+    pipe = FluxKontextPipeline.from_pretrained(kontext_dir)
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    name = next(k for k in state if "lora_B" in k)  # "<module>.lora_B.default.weight"; loaded as another adapter name
+    module = name.split(".lora_B.")[0]
+    loaded = [p for n, p in pipe.transformer.named_parameters() if n.startswith(module + ".lora_B.")]
+    assert len(loaded) == 1 and torch.equal(loaded[0], state[name])
