@@ -44,6 +44,20 @@ def data_rank(rank: int, sequence_parallel: int) -> int:
     return rank // sequence_parallel
 
 
+def sequence_group(sequence_parallel: int):
+    """Collective: this rank's sequence group (the N consecutive ranks that share a shard) as a
+    process group of its own, for the calls only they make together."""
+    group, _ = dist.new_subgroups(group_size=sequence_parallel)
+    return group
+
+
+def all_true(flags: list[bool], device: torch.device, group=None) -> list[bool]:
+    """Collective over `group` (default: every trainer): each flag True where it is True on every rank."""
+    agreed = torch.tensor(flags, dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)
+    return [bool(v) for v in agreed.tolist()]
+
+
 def make_mesh(sequence_parallel: int):
     """Collective (every trainer calls it): the (dp, ring, ulysses) mesh over the trainers' default
     process group, with the sequence axis on ulysses (diffusers wants both named axes)."""

@@ -65,6 +65,7 @@ def reduce_rank(rank, port, out_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # 2 spawned processes
 def test_ranks_agree_which_parameters_no_backward_reached(tmp_path):
     """The data-parallel reduce: a parameter some rank reached gets the mean on every rank (zeros
     from the others), one that no rank reached keeps no gradient on any (so no rank steps it)."""
@@ -74,3 +75,72 @@ def test_ranks_agree_which_parameters_no_backward_reached(tmp_path):
         got = torch.load(f"{out_path}.{rank}")
         assert torch.equal(got["a"], torch.full((3,), 1.0)) and torch.equal(got["c"], torch.full((3,), 1.5))
         assert got["b"] is None
+
+
+# -- fully_async: a group lost on one rank only ------------------------------------------------------
+
+class RecordingLearner:
+    """Stands in for the Learner: records which groups each rank would train (no model)."""
+
+    def __init__(self):
+        self.trained = []
+        self.policy = type("Policy", (), {"device": torch.device("cpu")})()
+
+    def train_step(self, groups, version):
+        self.trained.append([g.prompt_index for g in groups])
+        return {"samples/trained": float(sum(g.size for g in groups))}
+
+    def state_dict(self):
+        return {}
+
+
+def fetch_rank(rank, port, model_dir, output_dir, sequence_parallel, shards, lost_on, out_path):
+    """A trainer rank (the actor's class, outside Ray) whose object fetches fail for the group
+    indices in lost_on[rank]: the rollout actor that held them died between two ranks' fetches."""
+    torch.set_num_threads(1)
+    from unittest import mock
+
+    import ray
+
+    from async_flowgrpo.actors import trainer as trainer_module
+    from async_flowgrpo.config import load_config
+    from async_flowgrpo.types import Group
+
+    def fake_get(refs, timeout=None):
+        if isinstance(refs, list):
+            return [fake_get(r) for r in refs]
+        if refs in lost_on[rank]:
+            raise ray.exceptions.ObjectLostError(f"{refs:040x}", None, "")
+        return mock.Mock(spec=Group, prompt_index=refs, size=2, prompt="a prompt", images=torch.zeros(2, 8, 8, 3))
+
+    cfg = load_config("fully_async", [
+        f"model.path={model_dir}", "model.family=wan", "model.lora_rank=4", "reward.weights={frames_jpeg_compressibility: 1.0}",
+        "reward.options={}", "trainer.num_workers=2", f"trainer.sequence_parallel={sequence_parallel}",
+        "rollout.group_size=2", "rollout.groups_per_step=2", f"trainer.output_dir={output_dir}", "logging.actor_output=console"])
+    actor_class = trainer_module.TrainerActor.__ray_metadata__.modified_class
+    with mock.patch.object(trainer_module, "build_learner", lambda cfg, grad_all_reduce: RecordingLearner()), \
+            mock.patch.object(ray, "get", fake_get):
+        trainer = actor_class(cfg, rank, 2, ("127.0.0.1", port), mock.Mock())
+        metrics = trainer.train_step([([index], torch.zeros(2)) for index in shards[rank]], version=0)
+    torch.save({"trained": trainer.learner.trained, "lost": metrics["samples/lost"]}, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # 2 spawned processes per case
+@pytest.mark.parametrize("case", ["sequence group", "data parallel"])
+def test_ranks_agree_on_the_groups_they_keep(tmp_path, case):
+    """Sequence parallel: both ranks of a group get groups 0 and 1, and group 1 is lost on rank 1 only:
+    both must train group 0 alone (different rows would mismatch the all-to-alls). Data parallel:
+    rank 1 loses its only group; a rank with nothing to train cannot join the gradient all-reduce,
+    so neither trains (the other would wait in it) and rank 0's group counts as lost too."""
+    model_dir = make_tiny_wan_dir(str(tmp_path / "wan"))
+    sequence_parallel, shards, expected = {
+        "sequence group": (2, [[0, 1], [0, 1]], ([[0]], [[0]], 2, 2)),
+        "data parallel": (1, [[0], [1]], ([], [], 2, 2)),
+    }[case]
+    lost_on = [set(), {1}]
+    out_path = str(tmp_path / "kept")
+    mp.start_processes(fetch_rank, args=(free_port(), model_dir, str(tmp_path / "run"), sequence_parallel, shards,
+                                         lost_on, out_path), nprocs=2, join=True, start_method="spawn")
+    got = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in range(2)]
+    assert (got[0]["trained"], got[1]["trained"], got[0]["lost"], got[1]["lost"]) == expected

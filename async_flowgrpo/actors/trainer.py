@@ -60,6 +60,8 @@ class TrainerActor:
             host, port = dp_address  # listening on this address only (loopback on one node)
             store = rendezvous_store(host, port, rank, world_size, cfg.ray.start_timeout_s)
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        # the ranks of a sequence group agree on the groups they keep (_fetch)
+        self.sequence_group = seqpar.sequence_group(self.sequence_parallel) if self.sequence_parallel > 1 else None
         # replicated: one flat all-reduce; FSDP reduce-scatters gradients itself (seqpar.grad_reduce)
         reduce = seqpar.grad_reduce(world_size, self.sequence_parallel, self.sharded)
         self.learner = build_learner(cfg, grad_all_reduce=reduce)
@@ -95,7 +97,11 @@ class TrainerActor:
 
     def _fetch(self, shard: list[tuple[list, torch.Tensor]]) -> tuple[list, int]:
         """The shard's groups with their advantages set, and the number of samples lost: in
-        fully_async a group lives in its rollout actor's object store until trained, and dies with it."""
+        fully_async a group lives in its rollout actor's object store until trained, and dies with it.
+        Collective with several trainers, as the ranks fetch at different moments: the ranks of a
+        sequence group keep the same groups (they split the same rows), and when a data rank is left
+        with fewer samples than trainer.mini_batches (it could not join the update's gradient
+        all-reduces) no rank trains: their groups count as lost too."""
         timeout = self.cfg.ray.call_timeout_s
         try:
             groups = ray.get([ref[0] for ref, _ in shard], timeout=timeout)
@@ -107,13 +113,23 @@ class TrainerActor:
                 except ray.exceptions.ObjectLostError as e:
                     logger.warning("group lost before training (%s): %s", type(e).__name__, str(e).splitlines()[0][:300])
                     groups.append(None)
+        device = self.learner.policy.device
+        keep = [g is not None for g in groups]
+        if self.sequence_group is not None:
+            keep = seqpar.all_true(keep, device, self.sequence_group)
         kept, lost = [], 0
-        for group, (_, advantages) in zip(groups, shard):
-            if group is None:
+        for group, keep_it, (_, advantages) in zip(groups, keep, shard):
+            if not keep_it:
                 lost += advantages.numel()
                 continue
             group.advantages = advantages
             kept.append(group)
+        if self.world_size > 1:
+            enough = sum(g.size for g in kept) >= self.cfg.trainer.mini_batches
+            if not seqpar.all_true([enough], device)[0]:
+                logger.warning("a trainer lost too many groups to train this step: no trainer trains it")
+                lost += sum(g.size for g in kept)
+                kept = []
         return kept, lost
 
     @ray.method(concurrency_group="control")
