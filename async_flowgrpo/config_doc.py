@@ -147,6 +147,24 @@ def _table(name: str, defaults: Any, launched: Any, intro: str = "") -> list[str
     return out
 
 
+def _reward_options() -> list[str]:
+    """Every registered reward (what reward.weights names) and the keys reward.options.<name> takes,
+    read from the reward functions' signatures."""
+    from async_flowgrpo import rewards
+
+    out = ["## reward.weights names and their options\n",
+           "`reward.weights` names these rewards (`frames_<name>`: an image reward's mean over a video's frames); "
+           "`reward.options.<name>` takes the keys listed, checked at start. What each does and a runnable example "
+           "of the services: [rewards.md](rewards.md).\n",
+           "| reward | scores | `reward.options.<name>` keys (default) |\n| --- | --- | --- |"]
+    for name in sorted(n for n in rewards.available_rewards() if not n.startswith(rewards.FRAMES_PREFIX)):
+        params = list(inspect.signature(rewards._entry(name)).parameters.values())[3:]
+        keys = ", ".join(f"`{p.name}`" + ("" if p.default is inspect.Parameter.empty else f" ({_fmt(p.default)})")
+                         for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+        out.append(f"| `{name}` | {'videos' if rewards.takes_video(name) else 'images'} | {_escape(keys) or '-'} |")
+    return out + [""]
+
+
 def render() -> str:
     """docs/config.md as a string."""
     launch = load_config("fully_async")
@@ -160,6 +178,8 @@ def render() -> str:
                f"{_escape(top.get('mode', ''))}".rstrip() + " |\n")
     for name, cls in _sections():
         out += _table(name, cls(), getattr(launch, name))
+        if name == "reward":
+            out += _reward_options()
     out.append("## Mode files\n")
     out.append("What each launcher's `config/<mode>.yaml` sets on top of `config/base.yaml`:\n")
     out.append("| file | sets |\n| --- | --- |")

@@ -27,7 +27,8 @@ LAUNCHERS = [f"launch/{m}.py" for m in MODES]
 BENCHMARKS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))
                     if not p.endswith("common.py"))
 MODULES = ["async_flowgrpo.evaluation", "async_flowgrpo.config_doc", "async_flowgrpo.shapes.pretrain",
-           "async_flowgrpo.shapes.evaluate", "async_flowgrpo.shapes.scenes", "async_flowgrpo.models.tiny_wan"]
+           "async_flowgrpo.shapes.evaluate", "async_flowgrpo.shapes.scenes", "async_flowgrpo.models.tiny_wan",
+           "async_flowgrpo.rewards.serve"]
 SCRIPTS = ["docs/make_schedules_figure.py"]
 
 
