@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """Reward latency benchmark: how much a slow reward costs each mode, with reward.overlap on and off.
 
-The reward is a local scoring service (an HTTP server in this process, the `remote` reward) that
-sleeps a set time per image and uses no CPU: a stand-in for a remote judge. Its time per group is
+The reward is a local scoring service (an HTTP server in this process) that sleeps a set time and
+uses no CPU: a stand-in for a remote judge. ``--reward remote`` (default): the `remote` reward's
+JSON protocol, one request per group, its sleep proportional to the group's images.
+``--reward vlm_judge``: an OpenAI-compatible chat endpoint for `vlm_judge`, one request per image
+(a group's requests in flight at once), each sleeping the group's time. Its time per group is
 set to a multiple (``--ratios``, default 0.5 and 1) of the time a rollout worker takes to generate
 a group, measured first with a zero-latency service.
 
@@ -78,6 +81,7 @@ def parse_args(argv):
     ap.add_argument("--workdir", default=None, help="keep the runs here (default: a temp dir, removed)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "reward_latency.json"))
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--reward", default="remote", choices=["remote", "vlm_judge"], help="the reward the service stands behind")
     ap.add_argument("overrides", nargs="*", help="key=value or <mode>:key=value")
     args = ap.parse_args(argv)
     args.modes = [m for m in args.modes.split(",") if m]
@@ -91,10 +95,12 @@ def parse_args(argv):
 
 
 class ScoringService:
-    """The `remote` reward's server: sleeps `seconds_per_image` per image, then random scores."""
+    """The reward's server: a group costs `seconds_per_group` (the remote protocol's request of n
+    images sleeps n / group_size of it; a chat request, one image of a group sent at once, all of
+    it), then random scores."""
 
-    def __init__(self):
-        self.seconds_per_image = 0.0
+    def __init__(self, reward: str = "remote", group_size: int = 1):
+        self.seconds_per_group, self.reward, self.group_size = 0.0, reward, group_size
         service = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -102,9 +108,15 @@ class ScoringService:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                n = len(body["prompts"])
-                time.sleep(service.seconds_per_image * n)
-                data = json.dumps({"scores": [random.random() for _ in range(n)]}).encode()
+                if self.path.endswith("/chat/completions"):  # vlm_judge: one image
+                    time.sleep(service.seconds_per_group)
+                    reply = {"role": "assistant", "content": f"Score: {random.randint(0, 10)}"}
+                    data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                                       "choices": [{"index": 0, "message": reply, "finish_reason": "stop"}]}).encode()
+                else:
+                    n = len(body["prompts"])
+                    time.sleep(service.seconds_per_group * n / service.group_size)
+                    data = json.dumps({"scores": [random.random() for _ in range(n)]}).encode()
                 try:
                     self.send_response(200)
                     self.send_header("Content-Type", "application/json")
@@ -123,6 +135,10 @@ class ScoringService:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
 
     def overrides(self) -> list[str]:
+        if self.reward == "vlm_judge":
+            base_url = self.url.removesuffix("/score") + "/v1"
+            return ["reward.weights={vlm_judge: 1.0}",
+                    f"reward.options={{vlm_judge: {{base_url: '{base_url}', model: fake-judge, retries: 0}}}}"]
         return [f"reward.options={{remote: {{url: '{self.url}', retries: 0}}}}"]
 
 
@@ -193,13 +209,13 @@ def print_table(summary: dict, ratios: list[float]) -> None:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    service = ScoringService()
+    service = ScoringService(args.reward)
     with common.session(args, "reward_latency_") as (workdir, model, model_desc, res_overrides, machine):
         base = [f"model.path={model}", f"trainer.total_steps={args.steps}", *DEFAULTS, *res_overrides,
                 *service.overrides(), *args.common]
         log(f"model: {model_desc}; generation time per group, zero-latency reward")
         gen = measure_generation(base, os.path.join(workdir, "generation"))
-        g = gen["seconds_per_group"]
+        g, service.group_size = gen["seconds_per_group"], gen["group_size"]
         log(f"  {g:.2f} s per group of {gen['group_size']}")
         settings = {"zero_latency": (0.0, True)}
         for ratio in args.ratios:
@@ -210,7 +226,7 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             for name, (ratio, overlap) in settings.items():
                 for mode in [m for m in args.modes if name in runs[m]]:  # interleaved: drift spreads over every setting alike
-                    service.seconds_per_image = ratio * g / gen["group_size"]
+                    service.seconds_per_group = ratio * g
                     overrides = [*base, f"reward.overlap={str(overlap).lower()}", *args.per_mode[mode]]
                     r = run_setting(mode, overrides, os.path.join(workdir, f"{mode}_{name}_{rep}"), args.warmup)
                     runs[mode][name].append(r)
@@ -223,6 +239,7 @@ def main(argv=None) -> dict:
         "machine": machine,
         "note": "shared machine: other engineers' tests ran meanwhile; settings and modes interleaved",
         "model": model_desc,
+        "reward": args.reward,
         "overrides": base[1:],
         "generation": gen,
         "settings": {n: {"ratio": r, "overlap": o} for n, (r, o) in settings.items()},
