@@ -45,7 +45,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Literal
 
-from async_flowgrpo.types import Group
+from async_flowgrpo.types import Group, GroupRecord
 
 logger = logging.getLogger(__name__)
 
@@ -497,12 +497,25 @@ class QueueActor:
         return state, groups
 
     async def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved state (with "queued" holding the groups to put back, possibly fewer
-        than were saved): the queued groups are queued again and the in-flight tickets are handed
-        out before new ones, so a stop loses no rollout work. The other slots are released
-        (admitted := consumed + queued, see `StalenessController.load_state_dict`)."""
+        """Restore a saved state: the queued groups are queued again and the in-flight tickets are
+        handed out before new ones, so a stop loses no rollout work. The other slots are released
+        (admitted := consumed + queued, see `StalenessController.load_state_dict`).
+
+        The groups to put back (possibly fewer than were saved): "queued", as the queue holds them,
+        or "queued_groups", their checkpoint form (`Group.to_state`), which this actor puts into the
+        object store itself, so that it owns them, not the driver. A driver that owns an object in
+        the object store exits 1 when the node's raylet dies before it (Ray cannot recover a put
+        object, then ends the owner on its broken store connection), which is what a SIGTERM to
+        every process of the run does."""
+        queued = list(state.get("queued", []))
+        if state.get("queued_groups"):
+            import ray  # (in the actor; the plain classes above need no Ray)
+
+            for saved in state["queued_groups"]:
+                group = Group.from_state(saved)
+                queued.append(GroupRecord.of(group, ray.put(group)))
         async with self.cond:
-            self.queue.load_state_dict(state["queue"], state.get("queued", []))
+            self.queue.load_state_dict(state["queue"], queued)
             self.controller.load_state_dict(state["controller"], kept_groups=self.queue.consumed + len(self.queue))
             self.admission_wait_s = float(state.get("admission_wait_s", 0.0))
             self.next_ticket = int(state.get("next_ticket", 0))

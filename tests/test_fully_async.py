@@ -4,6 +4,7 @@ its checkpoint holds."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
@@ -11,9 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 import ray
+import torch
 
 from async_flowgrpo.config import load_config
 from async_flowgrpo.modes import fully_async
+from async_flowgrpo.queue import QueueActor
 from async_flowgrpo.stop import GracefulStop, StopRequested
 from async_flowgrpo.types import GroupRecord
 from test_queue import T, make_group
@@ -27,11 +30,12 @@ class FakeRun:
     `during_update(run)` runs inside each update, `at_start(run)` just before the loop."""
 
     during_update = at_start = staticmethod(lambda run: None)
+    resumed_state: dict = {}
 
     def __init__(self, cfg, actor_classes=None, start_early=None):
         self.cfg, self.started_early = cfg, start_early()
         self.stop, self.step, self.version, self.lost_groups = GracefulStop(), 0, 0, 0
-        self.resumed_state, self.rollouts, self.started, self.saved = {}, [], [], None
+        self.rollouts, self.started, self.saved, self.owners = [], [], None, []
         self.log, self._on_exit = SimpleNamespace(summary=lambda extra: {}), []
         FakeRun.instance = self
 
@@ -55,6 +59,7 @@ class FakeRun:
         if not records:
             return None
         self.started.append(([r.prompt_index for r in records], self.stop.requested))
+        self.owners += [owner_of(r.ref) for r in records]
         return records
 
     def finish_train(self, records):
@@ -73,6 +78,15 @@ class FakeRun:
 
     def end_step(self, metrics, extra):
         pass
+
+
+def owner_of(ref) -> str:
+    """The id of the worker (process) that owns `ref`'s object."""
+    from ray.core.generated import common_pb2
+
+    address = common_pb2.Address()
+    address.ParseFromString(ray._private.worker.global_worker.core_worker.get_owner_address(ref))
+    return address.worker_id.hex()
 
 
 def put_groups(queue, indices):
@@ -127,3 +141,28 @@ def test_a_stop_during_an_update_does_not_start_the_prefetched_one(fake_run, mon
     run = stopped_run(fake_run)
     assert run.started == [([0, 1], False)] and run.step == 1
     assert queued(run.saved) == [2, 3] and run.saved["queue"]["consumed"] == GPS
+
+
+def test_the_groups_a_resumed_run_restores_are_owned_by_the_queue_not_the_driver(fake_run, monkeypatch):
+    """A driver that owns an object in the object store exits 1 when the node's raylet dies first
+    (Ray cannot recover a put object, then ends the owner on its broken store connection): what a
+    SIGTERM to every process of the run does. The groups a checkpoint restores are put into the
+    object store by the queue actor, which owns them from then on."""
+
+    async def saved_with_two_queued() -> dict:
+        q = QueueActor(capacity=4, groups_per_step=GPS, max_staleness=1)
+        for i in range(2):
+            assert await q.acquire_ticket(0, timeout=5) == i
+            assert await q.put(make_group(i, 0, n=2))
+        return await q.state_dict()
+
+    groups = [make_group(i, 0, n=2) for i in range(2)]
+    for g in groups:
+        g.rewards = torch.tensor([0.0, 1.0])
+    saved = {**asyncio.run(saved_with_two_queued()), "queued_groups": [g.to_state() for g in groups]}
+    monkeypatch.setattr(FakeRun, "resumed_state", {"queue": saved})
+    monkeypatch.setattr(FakeRun, "during_update", staticmethod(lambda run: run.stop.request(signal.SIGTERM)))
+    run = stopped_run(fake_run)
+    assert run.started == [([0, 1], False)]  # the restored groups, trained first
+    driver = ray._private.worker.global_worker.worker_id.hex()
+    assert len(run.owners) == 2 and driver not in run.owners

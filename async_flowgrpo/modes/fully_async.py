@@ -28,7 +28,6 @@ from async_flowgrpo.config import Config
 from async_flowgrpo.driver.cluster import RunError
 from async_flowgrpo.driver.run import Run
 from async_flowgrpo.queue import make_queue_actor
-from async_flowgrpo.types import Group, GroupRecord
 
 
 def run(cfg: Config, actor_classes: dict | None = None) -> dict:
@@ -43,7 +42,8 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
         # the queue's first call waits for its worker process to start: as long as the other actors may
         ray.get(queue.set_version.remote(run.version), timeout=cfg.ray.start_timeout_s)
         if "queue" in run.resumed_state:
-            ray.get(queue.load_state_dict.remote(restored_queue(run.resumed_state["queue"])), timeout=wait)
+            # the queue puts the saved groups into the object store itself: it owns them, not the driver
+            ray.get(queue.load_state_dict.remote(run.resumed_state["queue"]), timeout=wait)
             ray.get(queue.set_version.remote(run.version), timeout=wait)
         loops = [rollout.run.remote(queue) for rollout in run.rollouts]
 
@@ -113,9 +113,3 @@ def saved_queue(queue, timeout: float) -> dict:
     trajectories pass through the driver), so a resumed run trains them instead of regenerating them."""
     state, groups = ray.get(queue.snapshot.remote(), timeout=timeout)
     return {**state, "queued_groups": [g.to_state() for g in groups]}
-
-
-def restored_queue(saved: dict) -> dict:
-    """`saved_queue`'s state with its groups put back into the object store, as the queue holds them."""
-    groups = [Group.from_state(g) for g in saved.get("queued_groups", [])]
-    return {**saved, "queued": [GroupRecord.of(g, ray.put(g)) for g in groups]}
