@@ -182,9 +182,16 @@ def make_server(service: RewardService, host: str, port: int, max_request_mb: fl
         def log_message(self, format, *args):
             logger.debug("%s " + format, self.client_address[0], *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    server = _Server((host, port), Handler)
     server.daemon_threads = True
     return server
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        """A client gone mid-request (its worker stopped, its timeout): one line, not socketserver's traceback."""
+        error = sys.exc_info()[1]
+        logger.warning("connection from %s ended: %s: %s", client_address[0], type(error).__name__, error)
 
 
 def _reward_spec(spec: str) -> tuple[str, float]:
