@@ -31,14 +31,14 @@ def test_the_judge_service_answers_each_image_in_the_groups_time():
     bench = load_benchmark("reward_latency")
     service = bench.ScoringService("vlm_judge")
     try:
-        service.seconds_per_group = 0.5
+        service.seconds_per_group = 1.0
         cfg = load_config("fully_async", service.overrides())
         assert dict(cfg.reward.weights) == {"vlm_judge": 1.0}
         fn = get_reward("vlm_judge", **cfg.reward.options["vlm_judge"])
         start = time.monotonic()
         scores = fn(torch.zeros(4, 8, 8, 3, dtype=torch.uint8), ["p"] * 4, [{}] * 4)
         elapsed = time.monotonic() - start
-        assert 0.5 <= elapsed < 1.5, elapsed  # the four requests at once: one group's time, not four
+        assert 1.0 <= elapsed < 3.0, elapsed  # the four requests at once: one group's time, not four (4 s)
         assert ((scores >= 0) & (scores <= 1)).all()
     finally:
         service.server.shutdown()

@@ -205,6 +205,8 @@ def check_options(options: dict) -> None:
         _openai()
     except ImportError as e:
         raise ValueError(str(e)) from None
+    if not options.get("model"):
+        raise ValueError("model is required: the served model's name (as the endpoint's /v1/models lists it)")
     if float(options.get("max_score", 10.0)) <= 0:
         raise ValueError("max_score must be > 0")
     for key in ("frames", "max_concurrency", "top_logprobs"):
