@@ -74,6 +74,16 @@ def test_logprob_mode_is_the_answer_tokens_probability_over_its_spellings(judge_
     assert get_reward("vlm_judge", base_url=server.base_url, model="m", score="logprob")(_images(1), PROMPTS[:1], [{}]).tolist() == [0.0]
 
 
+def test_score_regex_finds_the_score_after_the_reasoning(judge_server):
+    reply = "1. Alignment: good. 2. Quality: sharp.\nFinal Score: 4.5"
+    server = judge_server(lambda req, i: completion(reply))
+    fn = get_reward("vlm_judge", base_url=server.base_url, model="m", max_score=5, score_regex=r"Final Score:\s*([0-9.]+)")
+    assert torch.allclose(fn(_images(1), PROMPTS[:1], [{}]), torch.tensor([0.9]))
+    assert judge_mod.score_number(reply, 5) == 0.2  # without it: the first number, "1."
+    with pytest.raises(judge_mod.VLMJudgeError, match="no number matching 'Final Score:"):
+        judge_mod.score_number("Final verdict: good", 5, r"Final Score:\s*([0-9.]+)")
+
+
 def test_api_key_from_the_named_env_var_and_video_frames(judge_server, monkeypatch):
     server = judge_server(lambda req, i: completion("7"))
     monkeypatch.setenv("MY_JUDGE_KEY", "sk-test-123")
@@ -142,6 +152,8 @@ def test_config_checks_options_and_a_missing_package_is_one_line(monkeypatch):
         load_config("sync", base + ["reward.options.vlm_judge.score=probability"])
     with pytest.raises(ConfigError, match="reward.options.vlm_judge: .*max_score must be > 0"):
         load_config("sync", base + ["reward.options.vlm_judge.max_score=0"])
+    with pytest.raises(ConfigError, match="score_regex '\(' is not a regular expression"):
+        load_config("sync", base + ["reward.options.vlm_judge.score_regex=("])
     with pytest.raises(ConfigError, match="reward.options.vlm_judge: .*model is required"):
         load_config("sync", ["reward.weights={vlm_judge: 1.0}", "reward.options.vlm_judge.base_url=http://localhost:8000/v1"])
     monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed

@@ -5,8 +5,8 @@ Each image goes in one chat request (a video: `frames` frames, evenly spaced, in
 data URLs, with the prompt template; the requests of a batch run at once, `max_concurrency` at a
 time. The reply becomes a score:
 
-    score: number    the first number in the reply divided by max_score; a number outside
-                     [0, max_score] is an error
+    score: number    the first number in the reply (or the first group of `score_regex`)
+                     divided by max_score; a number outside [0, max_score] is an error
     score: logprob   the probability of `answer` as the reply's first token, summed over the
                      spellings among the endpoint's top_logprobs (" Yes", "yes", ...; case and
                      spaces ignored); 0 when none is listed (the VQAScore convention)
@@ -25,6 +25,8 @@ Keyword options (`reward.options.vlm_judge`):
     system_prompt    an optional system message
     score            "number" (default) | "logprob"
     max_score        number mode: the scale's top (default 10)
+    score_regex      number mode: where the number is, e.g. "Final Score:\\s*([0-9.]+)" for a judge
+                     that reasons first (default: the reply's first number)
     answer           logprob mode: the answer token scored (default "Yes")
     frames           videos (vlm_judge_video): frames sent per video (default 4)
     image_format     "png" (default, lossless) | "jpeg"
@@ -95,11 +97,15 @@ def _reply_start(text: Optional[str]) -> str:
     return repr((text or "")[:80])
 
 
-def score_number(reply: Optional[str], max_score: float) -> float:
-    """The first number in the reply / max_score; VLMJudgeError when there is none or it is out of range."""
-    match = _NUMBER.search(reply or "")
+def score_number(reply: Optional[str], max_score: float, score_regex: Optional[str] = None) -> float:
+    """The first number in the reply (in score_regex's first group, when given) / max_score;
+    VLMJudgeError when there is none or it is out of range."""
+    found = re.search(score_regex, reply or "") if score_regex else None
+    text = (found.group(1) if found.groups() else found.group()) if found else ("" if score_regex else reply or "")
+    match = _NUMBER.search(text)
     if match is None:
-        raise VLMJudgeError(f"no number in the reply {_reply_start(reply)}")
+        where = f"matching {score_regex!r} " if score_regex else ""
+        raise VLMJudgeError(f"no number {where}in the reply {_reply_start(reply)}")
     value = float(match.group())
     if not 0 <= value <= max_score:
         raise VLMJudgeError(f"the reply's number {match.group()} is outside [0, {max_score:g}]: {_reply_start(reply)}")
@@ -135,6 +141,7 @@ def vlm_judge(
     system_prompt: Optional[str] = None,
     score: Literal["number", "logprob"] = "number",
     max_score: float = 10.0,
+    score_regex: Optional[str] = None,
     answer: str = "Yes",
     frames: int = 4,
     image_format: Literal["png", "jpeg"] = "png",
@@ -192,7 +199,7 @@ def vlm_judge(
         choice = reply.choices[0]
         if score == "logprob":
             return score_logprob(choice, answer)
-        return score_number(choice.message.content, float(max_score))
+        return score_number(choice.message.content, float(max_score), score_regex)
 
     n = images.shape[0]
     with ThreadPoolExecutor(max_workers=max(1, min(n, int(max_concurrency)))) as pool:
@@ -207,6 +214,11 @@ def check_options(options: dict) -> None:
         raise ValueError(str(e)) from None
     if not options.get("model"):
         raise ValueError("model is required: the served model's name (as the endpoint's /v1/models lists it)")
+    if options.get("score_regex"):
+        try:
+            re.compile(options["score_regex"])
+        except re.error as e:
+            raise ValueError(f"score_regex {options['score_regex']!r} is not a regular expression: {e}") from None
     if float(options.get("max_score", 10.0)) <= 0:
         raise ValueError("max_score must be > 0")
     for key in ("frames", "max_concurrency", "top_logprobs"):
