@@ -152,7 +152,7 @@ def test_config_checks_options_and_a_missing_package_is_one_line(monkeypatch):
         load_config("sync", base + ["reward.options.vlm_judge.score=probability"])
     with pytest.raises(ConfigError, match="reward.options.vlm_judge: .*max_score must be > 0"):
         load_config("sync", base + ["reward.options.vlm_judge.max_score=0"])
-    with pytest.raises(ConfigError, match="score_regex '\(' is not a regular expression"):
+    with pytest.raises(ConfigError, match=r"score_regex '\(' is not a regular expression"):
         load_config("sync", base + ["reward.options.vlm_judge.score_regex=("])
     with pytest.raises(ConfigError, match="reward.options.vlm_judge: .*model is required"):
         load_config("sync", ["reward.weights={vlm_judge: 1.0}", "reward.options.vlm_judge.base_url=http://localhost:8000/v1"])
