@@ -28,6 +28,7 @@ from async_flowgrpo.models.common import read_model_settings
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
 from async_flowgrpo.seqpar import FAMILIES as SEQUENCE_PARALLEL_FAMILIES
+from async_flowgrpo.seqpar import split_token_counts
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")
 EMBEDDED_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "shapes_sd3")
@@ -459,6 +460,11 @@ def validate(c: Config) -> None:
         heads = transformer_heads(model_dir)
         _require(heads % sp == 0, "trainer.sequence_parallel",
                  f"Ulysses attention splits the {heads} attention heads over {sp} ranks; use a divisor of {heads}")
+        # found here, not by diffusers' assert in the trainers' first forward pass (the step-0 evaluation)
+        for what, count in split_token_counts(model_dir, c.model.family, r.resolution, r.num_frames).items():
+            _require(count % sp == 0, "trainer.sequence_parallel",
+                     f"a sample's {count} {what} cannot be split evenly over {sp} ranks; use a divisor of {count}, "
+                     f"or a rollout.resolution (or rollout.num_frames) that gives a multiple of {sp}")
     # Data-parallel groups split a batch by whole groups; each splits its share into mini-batches of samples.
     data_parallel = t.num_workers // sp
     _require(

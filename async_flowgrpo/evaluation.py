@@ -62,14 +62,17 @@ def _cut_check(interrupted: Callable[[], bool], world_size: int, device) -> Call
 
 @torch.no_grad()
 def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
-                    interrupted: Callable[[], bool] | None = None) -> dict | None:
+                    interrupted: Callable[[], bool] | None = None, sequence_parallel: int = 1) -> dict | None:
     """Returns {"metrics": {...}, "images": uint8 [N,H,W,3] (one per prompt, for a grid), "captions"}
     (an edit model's: each prompt's input image(s) beside its result, and the grid's "nrow").
 
-    With world_size > 1 (FSDP-sharded trainers; the process group is up) the ranks split the prompt
-    chunks, score their own and rank 0 gathers them: the same result as one process, in 1/world_size
-    of the time. Every rank makes the same number of generate calls, since each forward pass
-    all-gathers the sharded blocks; the others return None.
+    With world_size > 1 (trainers whose forward passes are collective: FSDP-sharded weights or
+    sequence parallelism; the process group is up) the ranks split the prompt chunks, score their own
+    and rank 0 gathers them: the same result as one process, in 1/world_size of the time. Every rank
+    makes the same number of generate calls, since each forward pass all-gathers the sharded blocks
+    (or splits its tokens); the others return None. With sequence_parallel N the chunks go to the
+    sequence groups, whose N ranks generate them together and each score 1/N of their prompts: every
+    prompt is scored once.
 
     interrupted: polled before every denoising step and before each chunk is scored; once true the
     evaluation raises EvaluationCut (a stopping run does not wait for it; the weights are untouched).
@@ -81,9 +84,10 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
     prompts = load_prompts(e.prompts)
     reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
     starts = list(range(0, len(prompts), PROMPTS_PER_CALL))
-    mine = starts[rank::world_size]
-    scored = []  # one dict per chunk of prompts
-    for call in range(-(-len(starts) // world_size)):
+    data_rank, data_parallel = rank // sequence_parallel, world_size // sequence_parallel
+    mine = starts[data_rank::data_parallel]
+    scored = []  # one dict per prompt
+    for call in range(-(-len(starts) // data_parallel)):
         start = mine[call] if call < len(mine) else starts[0]  # a rank short of chunks repeats one
         chunk = prompts[start : start + PROMPTS_PER_CALL]
         chunk_metadata = [with_sources(p) for p in chunk]  # an edit model's input images, loaded
@@ -97,20 +101,25 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
         )
         if check is not None:
             check()  # before scoring, which may be a slow model or a remote service
-        if call >= len(mine):
+        share = range(rank % sequence_parallel, len(chunk), sequence_parallel)  # the prompts this rank scores
+        if call >= len(mine) or not share:
             continue  # only kept in step with the other ranks' forward passes
-        images = torch.cat([g.images for g in groups])
-        texts = [p.text for p, g in zip(chunk, groups) for _ in range(g.size)]
-        metadata = [m for m, g in zip(chunk_metadata, groups) for _ in range(g.size)]
+        images = torch.cat([groups[k].images for k in share])
+        texts = [chunk[k].text for k in share for _ in range(groups[k].size)]
+        metadata = [chunk_metadata[k] for k in share for _ in range(groups[k].size)]
         score, components = reward(images, texts, metadata)
-        scored.append({"start": start, "images": images, "texts": texts, "metadata": metadata, "score": score,
-                       "components": components})
+        offset = 0
+        for k in share:
+            rows = slice(offset, offset + groups[k].size)
+            offset = rows.stop
+            scored.append({"index": start + k, "images": images[rows], "texts": texts[rows], "metadata": metadata[rows],
+                           "score": score[rows], "components": {name: v[rows] for name, v in components.items()}})
     if world_size > 1:
         gathered = [None] * world_size if rank == 0 else None
         dist.gather_object(scored, gathered, dst=0)
         if rank != 0:
             return None
-        scored = sorted((c for part in gathered for c in part), key=lambda c: c["start"])
+        scored = sorted((c for part in gathered for c in part), key=lambda c: c["index"])
 
     images = torch.cat([c["images"] for c in scored])
     texts = [t for c in scored for t in c["texts"]]

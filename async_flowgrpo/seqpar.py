@@ -28,6 +28,8 @@ ranks of a group must draw the same random numbers (DiffusionNFT's noise and tim
 from __future__ import annotations
 
 import functools
+import json
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from unittest import mock
@@ -38,6 +40,39 @@ from torch import nn
 
 # the families whose diffusers transformer has a `_cp_plan` (SD3's has none)
 FAMILIES = ("flux", "qwen_image", "wan")
+
+
+def split_token_counts(model_dir: str, family: str, resolution: int, num_frames: int) -> dict[str, int]:
+    """What the family's `_cp_plan` splits over a sequence group, by name, in tokens per sample,
+    read from the model's JSON files without loading it (config validation): the image or video
+    tokens, and Flux's text tokens (Qwen-Image pads its text to a multiple itself, Wan's is not
+    split). resolution / num_frames 0: the model's own, as the adapters and pipelines default."""
+    from async_flowgrpo.models import video_frames
+    from async_flowgrpo.models.common import read_model_settings
+
+    def read(component: str) -> dict:
+        file = os.path.join(model_dir, component, "config.json")
+        if not os.path.isfile(file):
+            return {}
+        with open(file) as f:
+            return json.load(f)
+
+    vae, settings = read("vae"), read_model_settings(model_dir)
+    if family == "wan":  # WanPipeline's vae_scale_factor_spatial; the transformer's (t, h, w) patch
+        factor, default = vae.get("scale_factor_spatial", 8), 480  # WanAdapter.default_resolution
+        patch_t, patch_h, patch_w = read("transformer").get("patch_size", (1, 2, 2))
+    else:  # Flux and Qwen-Image pack 2 x 2 latents; their pipelines' vae_scale_factor, default_sample_size 128
+        blocks = len(vae["block_out_channels"]) - 1 if family == "flux" else len(vae.get("temperal_downsample", [0] * 3))
+        factor, default, patch_t, patch_h, patch_w = 2 ** blocks, 128 * 2 ** blocks, 1, 2, 2
+    side = (resolution or settings.get("resolution") or default) // factor
+    frames = 1
+    if family == "wan":
+        count, temporal = video_frames(model_dir, num_frames)
+        frames = (count - 1) // temporal + 1
+    counts = {"image tokens": (frames // patch_t) * (side // patch_h) * (side // patch_w)}
+    if family == "flux":
+        counts["text tokens"] = settings.get("max_sequence_length", 512)  # FluxAdapter.default_max_sequence_length
+    return counts
 
 
 def data_rank(rank: int, sequence_parallel: int) -> int:
@@ -86,6 +121,12 @@ def parallelize(transformers: list[nn.Module], mesh) -> None:
         cpu_only = torch.accelerator.device_count() == 0
         with mock.patch.object(torch.accelerator, "device_count", return_value=1) if cpu_only else nullcontext():
             model.enable_parallelism(config=config)
+
+
+def splits_tokens(policy) -> bool:
+    """Whether the policy's transformers run with context parallelism on (`parallelize`): a rank's
+    gradients then hold its token shard's share of the update only."""
+    return any(getattr(m, "_parallel_config", None) is not None for t in policy.transformers() for m in t.modules())
 
 
 def grad_reduce(world_size: int, sequence_parallel: int, sharded: bool) -> Callable[[list[torch.Tensor]], None] | None:

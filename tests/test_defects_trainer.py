@@ -1,6 +1,9 @@
-"""Trainer-side failure cases, each a test that failed before its fix: a Wan2.2 expert with no rows
-in an update stays where it is (no AdamW momentum or weight decay), also across data-parallel ranks
-whose shards differ."""
+"""Trainer-side defects, each a test that failed before its fix: a Wan2.2 expert with no rows in an
+update stays where it is (no AdamW momentum or weight decay), also across data-parallel ranks whose
+shards differ; the trainers agree on the fully_async groups they keep when one rank's fetch loses
+one; a sequence-parallel degree that cannot split a sample's tokens is a config error (exit 2); a
+sequence group scores each evaluation prompt once. The spawned ones run the trainer actor's class
+outside Ray, over gloo, with stand-ins for the learner, the policy and the reward."""
 
 import os
 import socket
@@ -9,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from unittest import mock
 
 from async_flowgrpo import seqpar
 from async_flowgrpo.learner import Learner
@@ -79,12 +83,44 @@ def test_ranks_agree_which_parameters_no_backward_reached(tmp_path):
 
 # -- fully_async: a group lost on one rank only ------------------------------------------------------
 
+class EvalPolicy:
+    """Stands in for the policy in an evaluation: each prompt's images are a function of its seed and
+    place in the chunk, and every denoising step polls version_fn as the real generate does."""
+
+    device = torch.device("cpu")
+
+    def generate(self, prompts, n, *, seed, num_steps, version_fn=None, **kwargs):
+        for _ in range(num_steps):
+            if version_fn is not None:
+                version_fn()
+        return [mock.Mock(size=n, images=torch.full((n, 4, 4, 3), (seed + i) % 251, dtype=torch.uint8))
+                for i in range(len(prompts))]
+
+    def transformers(self):
+        return []
+
+
+class CountingReward:
+    """Stands in for CombinedReward: appends how many images it scored to SCORED."""
+
+    def __init__(self, weights, options):
+        pass
+
+    def __call__(self, images, texts, metadata):
+        SCORED.append(len(images))
+        value = images[:, 0, 0, 0].float()
+        return value / 251, {"correct": (value % 2 == 0).float()}
+
+
+SCORED: list[int] = []
+
+
 class RecordingLearner:
     """Stands in for the Learner: records which groups each rank would train (no model)."""
 
     def __init__(self):
         self.trained = []
-        self.policy = type("Policy", (), {"device": torch.device("cpu")})()
+        self.policy = EvalPolicy()
 
     def train_step(self, groups, version):
         self.trained.append([g.prompt_index for g in groups])
@@ -98,8 +134,6 @@ def fetch_rank(rank, port, model_dir, output_dir, sequence_parallel, shards, los
     """A trainer rank (the actor's class, outside Ray) whose object fetches fail for the group
     indices in lost_on[rank]: the rollout actor that held them died between two ranks' fetches."""
     torch.set_num_threads(1)
-    from unittest import mock
-
     import ray
 
     from async_flowgrpo.actors import trainer as trainer_module
@@ -144,3 +178,77 @@ def test_ranks_agree_on_the_groups_they_keep(tmp_path, case):
                                          lost_on, out_path), nprocs=2, join=True, start_method="spawn")
     got = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in range(2)]
     assert (got[0]["trained"], got[1]["trained"], got[0]["lost"], got[1]["lost"]) == expected
+
+
+# -- sequence parallelism: a token count the degree does not divide ---------------------------------
+
+def test_a_token_count_the_sequence_group_cannot_split_is_a_config_error(tmp_path, capsys):
+    """3 ranks (the twin has 3 heads) and 3 frames: 2 latent frames x 8 x 8 patches = 128 tokens,
+    which Ulysses cannot split in 3 (diffusers asserts it at the trainers' first forward pass)."""
+    from async_flowgrpo.config import ConfigError, config_or_exit, load_config
+
+    model_dir = make_tiny_wan_dir(str(tmp_path / "wan"), heads=3)
+    base = [f"model.path={model_dir}", "model.family=wan", "model.lora_rank=4",
+            "reward.weights={frames_jpeg_compressibility: 1.0}", "reward.options={}", "trainer.num_workers=3",
+            "trainer.sequence_parallel=3", "rollout.groups_per_step=3"]
+    load_config("sync", base)  # 5 frames: 3 x 64 = 192 tokens, a multiple of 3
+    with pytest.raises(ConfigError, match=r"^trainer.sequence_parallel: .*128 image tokens.* 3 ranks") as e:
+        load_config("sync", [*base, "rollout.num_frames=3"])
+    assert "\n" not in str(e.value)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        config_or_exit("sync", [*base, "rollout.num_frames=3"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("config error: trainer.sequence_parallel")
+
+
+# -- sequence parallelism: each evaluation prompt scored once ----------------------------------------
+
+def evaluate_rank(rank, port, model_dir, output_dir, out_path):
+    """A trainer rank of a 2-rank sequence group (the actor's class, outside Ray) evaluating with a
+    stand-in policy and reward: what it returns and how many images it scored."""
+    torch.set_num_threads(1)
+    from async_flowgrpo import evaluation
+    from async_flowgrpo.actors import trainer as trainer_module
+
+    with mock.patch.object(trainer_module, "build_learner", lambda cfg, grad_all_reduce: RecordingLearner()), \
+            mock.patch.object(evaluation, "CombinedReward", CountingReward):
+        trainer = trainer_module.TrainerActor.__ray_metadata__.modified_class(
+            sequence_config(model_dir, output_dir), rank, 2, ("127.0.0.1", port), mock.Mock())
+        result = trainer.evaluate(step=0)
+    torch.save({"result": result, "scored": sum(SCORED)}, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+def sequence_config(model_dir, output_dir):
+    from async_flowgrpo.config import load_config
+
+    return load_config("fully_async", [
+        f"model.path={model_dir}", "model.family=wan", "model.lora_rank=4", "reward.weights={frames_jpeg_compressibility: 1.0}",
+        "reward.options={}", "trainer.num_workers=2", "trainer.sequence_parallel=2", "rollout.group_size=2",
+        "rollout.groups_per_step=2", f"trainer.output_dir={output_dir}", "logging.actor_output=console", "eval.num_steps=2"])
+
+
+@pytest.mark.slow  # 2 spawned processes
+def test_a_sequence_group_scores_each_evaluation_prompt_once(tmp_path):
+    """Both ranks of a sequence group take part in every forward pass, but a prompt is scored on one
+    of them (a model reward or a remote judge would otherwise get every prompt twice), and rank 0's
+    result is the one-process evaluation's."""
+    from async_flowgrpo import evaluation
+    from async_flowgrpo.prompts import load_prompts
+
+    model_dir = make_tiny_wan_dir(str(tmp_path / "wan"))
+    out_path = str(tmp_path / "eval")
+    mp.start_processes(evaluate_rank, args=(free_port(), model_dir, str(tmp_path / "run"), out_path), nprocs=2,
+                       join=True, start_method="spawn")
+    got = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in range(2)]
+    cfg = sequence_config(model_dir, str(tmp_path / "run"))
+    samples = len(load_prompts(cfg.eval.prompts)) * cfg.eval.samples_per_prompt
+    assert got[0]["scored"] + got[1]["scored"] == samples  # before: 2 x samples, every rank scored every prompt
+    assert got[0]["scored"] > 0 and got[1]["scored"] > 0 and got[1]["result"] is None
+    with mock.patch.object(evaluation, "CombinedReward", CountingReward):
+        alone = evaluation.evaluate_policy(EvalPolicy(), cfg)
+    metrics = got[0]["result"]["metrics"]
+    assert {k: v for k, v in metrics.items() if k != "eval/time_s"} == \
+        {k: v for k, v in alone["metrics"].items() if k != "eval/time_s"}
+    assert torch.equal(got[0]["result"]["images"], alone["images"]) and got[0]["result"]["captions"] == alone["captions"]

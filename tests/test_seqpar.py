@@ -125,6 +125,9 @@ def test_two_ranks_in_one_sequence_group_make_the_one_rank_update(model_dirs, tm
         for key in ("loss/policy", "loss/kl", "train/grad_norm"):
             assert got0["metrics"][key] == pytest.approx(metrics[key], rel=1e-5, abs=1e-9), f"{what}: {key}"
             assert got1["metrics"][key] == pytest.approx(got0["metrics"][key], rel=1e-6), f"{what}: {key} differs between ranks"
+        # a rank's gradient before the reduce is its tokens' share: no cosine of whole halves to report
+        assert "grad/half_cos" not in got0["metrics"], \
+            f"{what}: grad/half_cos {got0['metrics']['grad/half_cos']} (one process: {metrics.get('grad/half_cos')})"
         for name, w in weights.items():
             assert torch.allclose(got0["weights"][name], w, rtol=1e-5, atol=1e-6), f"{what}: {name}"
         if sharded:

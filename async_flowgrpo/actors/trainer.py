@@ -11,7 +11,8 @@ weights (push, evaluate, digest, checkpoint) are collective: the driver calls th
 
 With trainer.sequence_parallel = N (async_flowgrpo.seqpar), either layout gets a sequence axis: each N
 consecutive ranks receive the same shard, split its tokens, and sum their gradients; evaluation is
-then collective too (every rank generates every prompt).
+then collective too (the sequence groups split the prompts; a group's ranks generate its prompts
+together and each scores a share).
 
 Trajectories arrive by reference: `train_step` gets the object refs of its shard's groups and
 the advantages the driver computed from their rewards, and fetches the groups from Ray's object
@@ -188,30 +189,23 @@ class TrainerActor:
         self.stopping.set()
 
     def evaluate(self, step: int) -> dict | None:
-        """Sharded, the ranks split the prompts (collective); rank 0 returns the result. With sequence
-        parallelism every rank generates every prompt (a group's ranks share each forward pass). None
+        """Sharded or sequence-parallel, the ranks split the prompts (collective; a sequence group's
+        ranks generate theirs together and each scores a share); rank 0 returns the result. None
         when abandoned (stop_evaluating)."""
         from async_flowgrpo import fsdp
-        from async_flowgrpo.evaluation import EvaluationCut, agreed, evaluate_policy
+        from async_flowgrpo.evaluation import EvaluationCut, evaluate_policy
 
         try:
             with self._evaluated_weights():
-                if self.sequence_parallel > 1:
-                    try:  # the ranks' forward passes are collective: they abandon it together
-                        result = evaluate_policy(self.learner.policy, self.cfg,
-                                                 interrupted=agreed(self.stopping.is_set, self.learner.policy.device))
-                    finally:
-                        if self.sharded:
-                            for transformer in self.learner.policy.transformers():
-                                fsdp.reshard(transformer)
-                    return result if self.rank == 0 else None
-                if not self.sharded:
+                if not self.sharded and self.sequence_parallel == 1:
                     return evaluate_policy(self.learner.policy, self.cfg, interrupted=self.stopping.is_set)
-                try:
-                    return evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size, self.stopping.is_set)
+                try:  # the ranks' forward passes are collective: they abandon it together
+                    return evaluate_policy(self.learner.policy, self.cfg, self.rank, self.world_size, self.stopping.is_set,
+                                           sequence_parallel=self.sequence_parallel)
                 finally:
-                    for transformer in self.learner.policy.transformers():
-                        fsdp.reshard(transformer)
+                    if self.sharded:
+                        for transformer in self.learner.policy.transformers():
+                            fsdp.reshard(transformer)
         except EvaluationCut:
             return None
 

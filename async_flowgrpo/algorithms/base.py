@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from async_flowgrpo import seqpar
 from async_flowgrpo.types import Group
 
 
@@ -111,7 +112,9 @@ class Learner:
         self.base_lr = lr
         self.lr_schedule = lr_schedule or (lambda step: 1.0)
         self.steps = 0  # train_step calls: the lr schedule's clock
-        self._sharded = any(isinstance(p, DTensor) for p in self.params)
+        # no rank holds a whole gradient before the reduce: FSDP gives each a slice of every one,
+        # sequence parallelism its tokens' share (so no cosine of whole ones, grad/half_cos)
+        self._sharded = any(isinstance(p, DTensor) for p in self.params) or seqpar.splits_tokens(policy)
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: by default the trained ones."""
