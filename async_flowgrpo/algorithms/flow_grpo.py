@@ -460,6 +460,7 @@ class FlowGRPOLearner(Learner):
         metrics = batch_metrics(groups, version)
         metrics["train/skipped_nonfinite"] = float(skipped)
         metrics["samples/trained"] = float(samples_trained)
+        metrics["samples/window_start"] = sum(g.params.window_start for g in groups) / len(groups)  # MixGRPO's walk
         if fresh_diffs:  # omitted without fresh samples: 0.0 would read as a perfect match
             metrics["logp/max_abs_diff"] = float(torch.stack(fresh_diffs).max())
         if half_cos:
