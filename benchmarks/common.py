@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmark scripts (throughput.py, learning_curve.py).
+"""Helpers shared by the benchmark scripts: the command line, configs and Ray, metrics files, results.
 
 Not a library module: the scripts put the repository root on sys.path themselves (like
 launch/*.py) and import this file as ``common``.
@@ -6,6 +6,7 @@ launch/*.py) and import this file as ``common``.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gzip
 import json
@@ -33,6 +34,12 @@ def log(msg: str) -> None:
 
 
 # -- command line and config ------------------------------------------------------------------------
+def argument_parser(doc: str, formatter_class=argparse.RawDescriptionHelpFormatter) -> argparse.ArgumentParser:
+    """A script's parser from its docstring: the first paragraph describes it, the rest (what it
+    measures, example commands) follows the options, so `--help` is all a user needs to run it."""
+    head, _, rest = doc.strip().partition("\n\n")
+    return argparse.ArgumentParser(description=head, epilog=rest or None, formatter_class=formatter_class)
+
 def split_overrides(ap, overrides: list[str], modes) -> tuple[list[str], dict[str, list[str]]]:
     """key=value applies to every run, <mode>:key=value to that mode's; anything else is an argparse error."""
     common, per_mode = [], {m: [] for m in modes}

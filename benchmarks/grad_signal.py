@@ -17,14 +17,13 @@ benchmarks/results/grad_signal/<name>.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
+from common import RESULTS, argument_parser, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -58,8 +57,7 @@ def batch_gradient(learner, groups, version: int = 0) -> torch.Tensor:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argument_parser(__doc__)
     ap.add_argument("--name", default="default", help="results go to benchmarks/results/grad_signal/NAME.json")
     ap.add_argument("--batches", type=int, default=200, help="independent batches (pairs: N(N-1)/2)")
     ap.add_argument("--seed", type=int, default=1000, help="rollout seed: prompts and noise")

@@ -20,7 +20,6 @@ and the step-level std per window step. JSON to benchmarks/results/is_weights/<n
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -28,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import RESULTS, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
+from common import RESULTS, argument_parser, load_mode_config, log, set_group_advantages, write_json  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -66,8 +65,7 @@ def describe(log_w: torch.Tensor) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argument_parser(__doc__)
     ap.add_argument("--name", default="default", help="results go to benchmarks/results/is_weights/NAME.json")
     ap.add_argument("--updates", type=int, default=7, help="trainer updates from the base (versions 0..N)")
     ap.add_argument("--warmup", type=int, default=1, help="leave out batches generated before this version")

@@ -26,7 +26,6 @@ Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only)
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -38,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
-from common import RESULTS, log  # noqa: E402
+from common import RESULTS, argument_parser, log  # noqa: E402
 
 MODES = ("sync", "fully_async")
 ALL_MODES = ("sync", "one_step_off", "fully_async")
@@ -54,7 +53,7 @@ DEFAULTS = [
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model", default="embedded", help="embedded (default) | tiny (random: reward stays flat) | auto | a dir")
     ap.add_argument("--seeds", default="2", help="number of seeds (0..n-1) or a comma list, e.g. 0,3,7 or 1, for seed 1 alone (default 2)")
     ap.add_argument("--steps", type=int, default=40, help="trainer steps per run (default 40)")

@@ -30,8 +30,10 @@ flow_grpo's did before its commit 2d76907 (and ours with ``algorithm.uncond_grad
 
 Every round runs every contender, alternating which goes first (ABBA), after ``--warmup``
 unrecorded rounds. Reported per contender: median, min, max and the interquartile range of the
-wall time and of the process's CPU time (with one thread, CPU time leaves out the time other
-processes take the core away: on a shared machine the steadier clock); per phase: ours/plain as
+wall time, of the process's CPU time (with one thread, CPU time leaves out the time other
+processes take the core away: on a shared machine the steadier clock) and of the CPU time inside
+the transformer's forward calls and inside backward (the passes themselves; the rest is what a
+contender does around them); per phase: ours/plain as
 the ratio of medians and as the median of the per-round ratios (paired, less sensitive to the
 machine's drift). Then each contender of each phase runs
 once more under cProfile (timed by CPU time): the time split into transformer forward, backward, text encoding, VAE
@@ -58,7 +60,6 @@ passes per train step), one torch thread.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -74,7 +75,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (offline / no-wandb environment defaults)
-from common import log  # noqa: E402
+from common import argument_parser, log  # noqa: E402
 
 PROMPTS = (
     "a red circle",
@@ -142,26 +143,76 @@ def phase_entry(times: dict[str, list[float]]) -> dict:
     return entry
 
 
-def run_rounds(contenders: dict, rounds: int, warmup: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+class PassClock:
+    """CPU time spent inside the transformer's forward calls and inside backward calls, summed
+    until reset: installed around a phase's rounds, it splits each contender's time into the
+    passes themselves and everything around them (did a contender run the same passes dearer,
+    or do more around them?)."""
+
+    def __init__(self, transformer):
+        self.forward_s = self.backward_s = 0.0
+        self._transformer = transformer
+
+    def __enter__(self):
+        import torch
+
+        forward, backward = self._transformer.forward, torch.Tensor.backward
+
+        def timed_forward(*args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.forward_s += time.process_time() - c0
+
+        def timed_backward(tensor, *args, **kwargs):
+            c0 = time.process_time()
+            try:
+                return backward(tensor, *args, **kwargs)
+            finally:
+                self.backward_s += time.process_time() - c0
+
+        self._restore = lambda: (setattr(torch.Tensor, "backward", backward), self._transformer.__dict__.pop("forward", None))
+        self._transformer.forward, torch.Tensor.backward = timed_forward, timed_backward
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+
+    def take(self) -> tuple[float, float]:
+        out = (self.forward_s, self.backward_s)
+        self.forward_s = self.backward_s = 0.0
+        return out
+
+
+def run_rounds(contenders: dict, rounds: int, warmup: int, clock: PassClock | None = None):
     """Both contenders per round, alternating which runs first; warm-up rounds not recorded.
     Returns wall times and CPU times (this process's, all threads): with one torch thread the
     CPU time leaves out the time other processes took the core from us, the main noise on a
-    shared 2-core machine."""
+    shared 2-core machine. With a `clock`, also the CPU time inside the transformer's forward
+    calls and inside backward, per contender and round (a third dict, {"forward": ..., "backward": ...})."""
     names = list(contenders)
     wall, cpu = {n: [] for n in names}, {n: [] for n in names}
+    passes = {"forward": {n: [] for n in names}, "backward": {n: [] for n in names}}
     for r in range(warmup + rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            if clock is not None:
+                clock.take()
             t0, c0 = time.perf_counter(), time.process_time()
             contenders[name](r)
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if r >= warmup:
                 wall[name].append(dt)
                 cpu[name].append(dc)
+                if clock is not None:
+                    fwd, bwd = clock.take()
+                    passes["forward"][name].append(fwd)
+                    passes["backward"][name].append(bwd)
         if r >= warmup:
             log("  round %d: %s" % (r - warmup, ", ".join(
                 f"{n} {wall[n][-1]:.3f}s (cpu {cpu[n][-1]:.3f}s)" for n in names)))
-    return wall, cpu
+    return (wall, cpu) if clock is None else (wall, cpu, passes)
 
 
 # ------------------------------------------------------------------------------------------ profile
@@ -487,7 +538,7 @@ def flow_grpo_train(flow_grpo, policy, args, lat, embeds, params, groups):
 
 # ------------------------------------------------------------------------------------------ main
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model", default=None, help="diffusers SD3 or Wan directory (default: the embedded shapes model)")
     ap.add_argument("--tiny-wan", action="store_true", help="the tiny random Wan twin (5 frames of 32 x 32), built here")
     ap.add_argument("--real-size", action="store_true",
@@ -588,8 +639,11 @@ def main(argv=None) -> dict:
                 contenders, n_samples, passes = train_contenders(policy, prompts, args, flow_grpo)
                 extra = {"forward_backward_passes": passes}
             log(f"{phase}: {args.warmup} warm-up + {args.rounds} rounds")
-            wall, cpu = run_rounds(contenders, args.rounds, args.warmup)
-            entry = {**phase_entry(wall), **extra, "cpu": phase_entry(cpu)}
+            with PassClock(policy.adapter.transformer) as clock:
+                wall, cpu, passes = run_rounds(contenders, args.rounds, args.warmup, clock)
+            entry = {**phase_entry(wall), **extra, "cpu": phase_entry(cpu),
+                     **{f"cpu_{part}": phase_entry(times) for part, times in passes.items()
+                        if any(t for contender in times.values() for t in contender)}}  # a rollout: no backward
             if not args.no_profile:
                 entry["profile"] = {name: profile(lambda f=f: f(10_000), args.top) for name, f in contenders.items()}
             result["phases"][phase] = entry
@@ -645,15 +699,15 @@ def pool(files: list[str]) -> dict:
     result["phases"] = {}
     for phase, e0 in runs[0]["phases"].items():
         entry = {}
-        for clock in ("wall", "cpu"):
+        for clock in ["wall", "cpu"] + [k for k in ("cpu_forward", "cpu_backward") if all(k in r["phases"][phase] for r in runs)]:
             names = [n for n in CONTENDERS if n in e0]
-            times = {n: [t for r in runs for t in (r["phases"][phase] if clock == "wall" else r["phases"][phase]["cpu"])[n]["times_s"]]
+            times = {n: [t for r in runs for t in (r["phases"][phase] if clock == "wall" else r["phases"][phase][clock])[n]["times_s"]]
                      for n in names}
             d = phase_entry(times)
             if clock == "wall":
                 entry.update(d)
             else:
-                entry["cpu"] = d
+                entry[clock] = d
         for key in ("forward_backward_passes", "profile"):
             if key in e0:
                 entry[key] = e0[key]
@@ -665,14 +719,16 @@ def pool(files: list[str]) -> dict:
 def report(result: dict) -> str:
     out = io.StringIO()
     w = out.write
-    w("\nphase    contender clock  median_s   min_s   max_s   iqr_s   ours/this (medians | paired)\n")
+    w("\nphase    contender clock     median_s   min_s   max_s   iqr_s   ours/this (medians | paired)\n")
     for phase, e in result["phases"].items():
-        for clock, d in (("wall", e), ("cpu", e["cpu"])):
+        clocks = [("wall", e), ("cpu", e["cpu"])] + [(part, e[f"cpu_{part}"]) for part in ("forward", "backward")
+                                                      if f"cpu_{part}" in e]
+        for clock, d in clocks:
             for name in [n for n in CONTENDERS if n in d]:
                 s = d[name]
                 c = d if name == "plain" else d.get(f"vs_{name}")
                 ratio = f"{c['ratio_of_medians']:.3f} | {c['median_paired_ratio']:.3f}" if c else ""
-                w(f"{phase:8s} {name:9s} {clock:5s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
+                w(f"{phase:8s} {name:9s} {clock:8s} {s['median_s']:8.3f} {s['min_s']:7.3f} {s['max_s']:7.3f} "
                   f"{s['iqr_s']:7.3f}   {ratio}\n")
     if result.get("sequential_step"):
         w("\nsequential step (rollout + train step of each round; a synchronous loop without orchestration):\n")

@@ -104,7 +104,6 @@ async_flowgrpo.evaluation.evaluate_policy with config/base.yaml's evaluation: 64
 
 from __future__ import annotations
 
-import argparse
 import glob
 import importlib.util
 import json
@@ -117,7 +116,7 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (offline / no-wandb environment defaults; the repository on sys.path)
-from common import log  # noqa: E402
+from common import argument_parser, log  # noqa: E402
 
 PUBLISHED_CONFIG = "geneval_sd3"
 GRAD_ACCUMULATION = 2  # published: updates twice an epoch (config/grpo.py asserts it)
@@ -683,7 +682,7 @@ def score(args) -> dict:
 
 # --------------------------------------------------------------------------------------- main
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run its train_sd3.py (see the module docstring); extra --config.KEY=VALUE "
                                      "flags go to its absl flags")
@@ -709,8 +708,8 @@ def main(argv=None):
     s.add_argument("--eval-prompts", type=int, default=0, help="only the first N held-out prompts (0: all 64)")
     s.add_argument("--threads", type=int, default=1)
     s.add_argument("--out", default=None, help="write the scores as JSON")
-    ap.epilog = ("Our config's key=value overrides may follow either command (train: where its budget is "
-                 "read; score: eval.*); train passes --config.KEY=VALUE on to its absl flags.")
+    ap.epilog += ("\n\nOur config's key=value overrides may follow either command (train: where its budget is "
+                  "read; score: eval.*); train passes --config.KEY=VALUE on to its absl flags.")
     args, rest = ap.parse_known_args(argv)
     args.overrides = [a for a in rest if not a.startswith("-") and "=" in a]
     flags = [a for a in rest if a.startswith("--config.") and args.command == "train"]

@@ -31,7 +31,6 @@ Overrides are ``key=value`` (every run) or ``<mode>:key=value`` (that mode only)
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import json
 import os
@@ -44,7 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets HF_HUB_OFFLINE / RAY_AUTH_MODE before ray is imported)
-from common import RESULTS, log  # noqa: E402
+from common import RESULTS, argument_parser, log  # noqa: E402
 
 MODES = ("sync", "one_step_off", "fully_async")
 TARGET_SPEEDUP_AT_1 = 1.6
@@ -70,7 +69,7 @@ DEFAULTS = [
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--steps", type=int, default=8, help="trainer steps per run")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the steady state")
     ap.add_argument("--repeats", type=int, default=2, help="rounds of every setting, interleaved")

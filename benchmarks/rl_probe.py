@@ -27,7 +27,6 @@ benchmarks/results/rl_probe/<name>.json (every evaluation and the training curve
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -39,7 +38,7 @@ from dataclasses import replace
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (puts the repository on sys.path, sets the offline environment)
-from common import RESULTS, log, set_group_advantages  # noqa: E402
+from common import RESULTS, argument_parser, log, set_group_advantages  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -72,7 +71,7 @@ def left_reward(images: torch.Tensor, prompts: list[str], metadata: list[dict]) 
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=50, help="0 = start and end only")
     ap.add_argument("--reward", choices=("shapes", "side", "left"), default="shapes")

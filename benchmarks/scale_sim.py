@@ -57,7 +57,6 @@ Writes benchmarks/results/scale_sim/<name>.json and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -74,18 +73,14 @@ import threading
 import time
 import types
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("WANDB_MODE", "disabled")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the repository on sys.path, the offline environment, before ray is imported)
+from common import REPO, argument_parser  # noqa: E402
 
 import ray  # noqa: E402
 from ray import cloudpickle  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-RESULTS = os.path.join(REPO, "benchmarks", "results", "scale_sim")
+RESULTS = os.path.join(common.RESULTS, "scale_sim")
 
 from async_flowgrpo.rollout.stream import stream_groups  # noqa: E402  (torch-free: the stand-ins use it)
 
@@ -765,7 +760,7 @@ def ints(s: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--name", default="grid", help="results file benchmarks/results/scale_sim/<name>.json")
     ap.add_argument("--modes", default="fully_async,one_step_off", help="comma-separated: fully_async, one_step_off, sync")
     ap.add_argument("--rollouts", type=ints, default=[1, 2, 4, 8, 16, 32, 64], help="rollout actor counts")

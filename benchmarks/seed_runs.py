@@ -21,7 +21,6 @@ mean rise, its standard error (std / sqrt(n)) and the worst seed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -33,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, log, parse_run_overrides, prune_run_outputs, read_metrics  # noqa: E402
+from common import REPO, RESULTS, argument_parser, log, parse_run_overrides, prune_run_outputs, read_metrics  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "seed_runs")
 MODES = ("sync", "one_step_off", "fully_async")
@@ -221,8 +220,7 @@ def plot_metrics(names: list[str], keys: list[str], path: str, window: int = 10)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argument_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the seeds not yet finished")
     r.add_argument("name", help="results go to benchmarks/results/seed_runs/NAME/seed<S>/")

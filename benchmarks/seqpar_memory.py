@@ -14,7 +14,6 @@ writes benchmarks/results/seqpar_memory.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -37,7 +36,7 @@ from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir  # noqa: E402
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = common.argument_parser(__doc__)
     ap.add_argument("--frames", type=int, default=17, help="video frames (the twin's VAE: (F - 1) / 2 + 1 latent frames)")
     ap.add_argument("--resolution", type=int, default=64, help="frame side in pixels (latent / 2, patch 2: tokens (res / 4)^2 per latent frame)")
     ap.add_argument("--layers", type=int, default=2)

@@ -26,7 +26,6 @@ mean of staleness/mean over its steps) beside eta.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -34,7 +33,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import seed_runs  # noqa: E402
-from common import log  # noqa: E402
+from common import argument_parser, log  # noqa: E402
 
 ALGORITHMS = ("flow_grpo", "diffusion_nft")
 CORRECTIONS = ("none", "element_mean", "step")
@@ -121,8 +120,7 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run the cells not yet finished, interleaved")
     r.add_argument("name")

@@ -40,7 +40,6 @@ Overrides are ``key=value`` (applied to every mode and to the capacity measureme
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -50,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402  (sets HF_HUB_OFFLINE / RAY_AUTH_MODE before ray is imported)
-from common import RESULTS, log  # noqa: E402
+from common import RESULTS, argument_parser, log  # noqa: E402
 
 MODES = ("sync", "one_step_off", "fully_async")
 TARGETS = {"fully_async": 0.90, "one_step_off": 0.85}
@@ -80,7 +79,7 @@ DEFAULT_WINDOW_FRACTION = 2 / 3  # of the num_steps - 1 trainable steps: 6 of 9
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argument_parser(__doc__)
     ap.add_argument("--model", default="auto", help="auto (embedded if shipped, else tiny) | embedded | tiny | a diffusers dir")
     ap.add_argument("--steps", type=int, default=20, help="trainer steps per mode (default 20)")
     ap.add_argument("--warmup", type=int, default=4, help="steps excluded from the steady state (default 4)")

@@ -30,7 +30,6 @@ accuracy; per algorithm: the ratio of each mode's mean time to target to sync's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -42,8 +41,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (REPO, RESULTS, log, parse_run_overrides, prune_run_outputs, read_metrics, split_overrides,  # noqa: E402
-                    write_json)
+from common import (REPO, RESULTS, argument_parser, log, parse_run_overrides, prune_run_outputs, read_metrics,  # noqa: E402
+                    split_overrides, write_json)
 from seed_runs import MODES, finished, finished_runs  # noqa: E402
 
 ROOT = os.path.join(RESULTS, "time_to_accuracy")
@@ -217,8 +216,7 @@ def plot(summary: dict, path: str) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argument_parser(__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run the cells not yet finished, interleaved")
     r.add_argument("name", help="results go to benchmarks/results/time_to_accuracy/NAME/<algorithm>/<mode>/seed<S>/")

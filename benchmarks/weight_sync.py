@@ -52,8 +52,8 @@ import sys
 import threading
 import time
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the repository on sys.path, the offline environment, before ray is imported)
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -62,7 +62,7 @@ from async_flowgrpo.sync import WeightSyncGroup, make_transport  # noqa: E402
 from async_flowgrpo.sync.base import digest  # noqa: E402
 
 MB = 2**20
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = common.RESULTS
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 
 
@@ -736,7 +736,7 @@ def plot(rows: list[dict], blocking: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = common.argument_parser(__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes-mb", type=floats, default=floats("0.5,4,32,128"), help="payload sizes (MiB)")
     p.add_argument("--lora-max-mb", type=float, default=32.0, help="skip LoRA sizes above this")
     p.add_argument("--flavours", type=strs, default=strs("lora,full"), help="lora (many small A/B) and/or full")

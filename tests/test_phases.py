@@ -23,6 +23,7 @@ from async_flowgrpo.policy import DiffusionPolicy
 
 STEPS = 5
 CFG = 4.5
+BACKWARD = torch.Tensor.backward
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +174,15 @@ def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path)
         assert prof["buckets_s"]["transformer forward"] > 0 and len(prof["top_tottime"]) == 3
     assert result["phases"]["train"]["profile"]["ours"]["buckets_s"]["backward"] > 0
     assert len(result["phases"]["rollout"]["cpu"]["ours"]["times_s"]) == 2
+    # the passes' own CPU time, per round: inside the transformer's forward calls and inside backward,
+    # part of the round's CPU time; a rollout runs no backward
+    for name in ("ours", "plain"):
+        fwd, bwd = train["cpu_forward"][name]["times_s"], train["cpu_backward"][name]["times_s"]
+        assert len(fwd) == len(bwd) == 2 and min(fwd) > 0 and min(bwd) > 0
+        assert all(f + b <= c for f, b, c in zip(fwd, bwd, train["cpu"][name]["times_s"]))
+        assert result["phases"]["rollout"]["cpu_forward"][name]["times_s"][0] > 0
+    assert "cpu_backward" not in result["phases"]["rollout"]
+    assert torch.Tensor.backward is BACKWARD  # the clock is taken off again
     # the sequential step: each round's rollout + train step, as samples/s (no "plain": it has no whole step)
     step = result["sequential_step"]
     assert set(step) == {"ours"}
@@ -182,6 +192,7 @@ def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path)
     pooled = phases.main(["--pool", str(out), str(out), "--out", str(tmp_path / "pooled.json")])
     assert len(pooled["phases"]["train"]["plain"]["times_s"]) == len(pooled["phases"]["train"]["cpu"]["ours"]["times_s"]) == 4
     assert pooled["phases"]["train"]["ratio_of_medians"] == pytest.approx(train["ratio_of_medians"])
+    assert len(pooled["phases"]["train"]["cpu_forward"]["ours"]["times_s"]) == 4
 
 
 FAKE_PIPELINE = '''
