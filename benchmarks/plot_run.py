@@ -11,14 +11,13 @@ metrics.jsonl.gz (benchmarks keep finished runs' metrics so).
 
 import json
 import os
-import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from common import open_metrics  # noqa: E402  (benchmarks/ is on the path of a script run from it)
+from common import argument_parser, open_metrics  # noqa: E402  (benchmarks/ is on the path of a script run from it)
 
 WINDOW = 10
 EVAL_KEYS = ("eval/reward", "eval/accuracy", "eval/color_ok", "eval/shape_ok", "eval/count_ok", "eval/position_ok")
@@ -57,9 +56,11 @@ def main(paths: list[str], out: str) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if not args or args[0] in ("-h", "--help"):
-        print("usage: python benchmarks/plot_run.py METRICS.jsonl [METRICS.jsonl ...] [OUT.png]\n" + __doc__.split("\n\n", 2)[2].rstrip())
-        raise SystemExit(0 if args else 2)
-    pngs = [p for p in args if p.endswith(".png")]
-    main([p for p in args if not p.endswith(".png")], pngs[-1] if pngs else "run.png")
+    ap = argument_parser(__doc__)
+    ap.add_argument("paths", nargs="+", metavar="PATH", help="metrics.jsonl (or .jsonl.gz) files, then optionally the PNG to write (default run.png)")
+    paths = ap.parse_args().paths
+    pngs = [p for p in paths if p.endswith(".png")]
+    metrics = [p for p in paths if not p.endswith(".png")]
+    if not metrics:
+        ap.error("no metrics.jsonl given")
+    main(metrics, pngs[-1] if pngs else "run.png")
