@@ -6,9 +6,12 @@ staged in host memory)."""
 import json
 import logging
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from async_flowgrpo.checkpoint import Checkpointer
 from async_flowgrpo.cli import preflight
 from async_flowgrpo.config import load_config, validate
 from async_flowgrpo.metrics import RunLogger
+from test_launcher import prompt_file  # noqa: F401 (the fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +123,7 @@ def test_a_file_that_is_one_torn_line_is_emptied(model_dir, tmp_path):
     assert (out / "metrics.jsonl").read_text() == ""
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_write_that_fails_part_way_leaves_whole_lines(model_dir, tmp_path):
     """The disk (here a file-size limit) fills in the middle of a row: the error reaches the caller
     and the file still ends with a whole line. (Before: the part that fit stayed in the file.)"""
@@ -129,6 +134,7 @@ def test_a_write_that_fails_part_way_leaves_whole_lines(model_dir, tmp_path):
         sys.path.insert(0, {ROOT!r})
         from async_flowgrpo.config import load_config
         from async_flowgrpo.metrics import RunLogger
+from test_launcher import prompt_file  # noqa: F401 (the fixture)
         cfg = load_config("sync", ["model.path={model_dir}", "trainer.output_dir={out}"])
         log = RunLogger({str(out)!r}, cfg, total_steps=3, progress=False)
         log.log(1, {{"reward/mean": 0.5}})
@@ -145,3 +151,62 @@ def test_a_write_that_fails_part_way_leaves_whole_lines(model_dir, tmp_path):
     text = (out / "metrics.jsonl").read_text()
     assert text.endswith("\n")
     assert [json.loads(line)["step"] for line in text.splitlines()] == [1]
+
+
+# -- a stop during an update longer than the grace period ----------------------------------------
+GIVE_UP_GRACE_S = 16  # the least trainer.stop_grace_s (its last 8 s shut Ray down): an update is given up after 8 s
+LONG_UPDATE_S = 14  # trainer.min_step_time_s: the update in flight at the signal outlasts those 8 s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("mode", ["fully_async", "one_step_off"])
+def test_a_stop_during_a_long_update_saves_the_step_before_it(tiny_model_dir, prompt_file, tmp_path, mode):
+    """SIGTERM during update 2, which outlasts the grace period, with no checkpoint written yet:
+    step 1 is saved from the trainer's staged state without waiting for the
+    update, the line says so, and the same command (trainer.resume=auto) continues from it with
+    exact counts. (Before: `stopped at step 1 without a checkpoint (trainer.stop_grace_s=16 ran out
+    before it was written; there is none to resume)`: the run was lost.)"""
+    from test_fault_injection import Launch, assert_counters, checkpoint_state, last_per_step, unexpected_stderr
+    from test_launcher import small_args
+
+    out = str(tmp_path / "run")
+    # checkpoint_every=2: no checkpoint before the stop, and fully_async does not prefetch batch 3
+    # during update 2 (step 2 checkpoints), so update 2's groups are all the untrained ones
+    command = small_args(tiny_model_dir, prompt_file, out, "trainer.checkpoint_every=2", "trainer.resume=auto")
+    first = Launch(mode, [*command, "trainer.total_steps=40", f"trainer.min_step_time_s={LONG_UPDATE_S}",
+                          f"trainer.stop_grace_s={GIVE_UP_GRACE_S}"], out, f"{mode}: SIGTERM during update 2")
+    resumed = None
+    try:
+        assert first.wait_until(lambda: len(first.rows()) >= 1, 300, "step 1"), first.why("ended before step 1")
+        assert "trainer.resume=auto: no checkpoint under" in first.stderr, first.why("no word of the fresh start")
+        first.sleep(3.0)  # update 2 is in flight (fully_async started it before logging step 1)
+        t_signal = time.monotonic()
+        os.killpg(first.proc.pid, signal.SIGTERM)
+        first.scan(force=True)
+        code, err = first.finish(timeout=GIVE_UP_GRACE_S + 60)
+        # (the exit within the grace period is test_cluster_signals' to check: on these 2 busy cores
+        # shutting Ray down has taken a few seconds more than the 8 s kept for it)
+        assert time.monotonic() - t_signal <= GIVE_UP_GRACE_S + 10, first.why("not stopped within the grace period")
+        stopped = [line for line in err.splitlines() if line.startswith("stopped")]
+        assert code == 143 and len(stopped) == 1, first.why(f"exit {code}, lines {stopped}")
+        assert re.match(r"stopped at step 1; resume with: .* trainer\.resume=latest$", stopped[0]), first.why(stopped[0])
+        assert not unexpected_stderr(err, mode) and "Traceback" not in err, first.why("more than one line")
+        assert not first.leftovers(), first.why("Ray processes outlived the launcher")
+        path, state = checkpoint_state(out)
+        assert os.path.basename(path) == "step_000001" and state["step"] == state["version"] == 1, first.why(path)
+        assert os.listdir(os.path.join(path, "weights")), first.why("no weights in the staged checkpoint")
+
+        resumed = Launch(mode, [*command, "trainer.total_steps=3"], out, f"{mode}: the same command again")
+        code, _ = resumed.finish(timeout=400)
+        assert code == 0, resumed.why("the resumed run failed")
+        assert f"resumed from {path} at step 1" in resumed.stderr, resumed.why("did not resume step 1")
+        rows = [r for r in last_per_step(resumed.rows(complete_only=False)) if r["step"] >= 1]
+        assert [r["step"] for r in rows] == [1, 2, 3], resumed.why(f"steps {[r['step'] for r in rows]}")
+        assert_counters(resumed, rows, rows[-1:], killed_rollout=False)
+        _, end = checkpoint_state(out)
+        assert end["step"] == 3 and end["consumed_samples"] == rows[-1]["samples/consumed"], resumed.why("final checkpoint")
+    finally:
+        for run in (first, resumed):
+            if run is not None:
+                run.cleanup()

@@ -17,6 +17,11 @@ together and each scores a share).
 Trajectories arrive by reference: `train_step` gets the object refs of its shard's groups and
 the advantages the driver computed from their rewards, and fetches the groups from Ray's object
 store itself, so latents never pass through the driver.
+
+Staged state (replicated weights, rank 0): after each update (and at start and resume) the state a
+checkpoint holds is copied to host memory, tagged with the version it makes. A stop that cannot
+wait for the update in flight (longer than trainer.stop_grace_s) checkpoints that copy, read on
+the "control" thread while the update runs (`staged_state`, `save_staged_weights`).
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ class TrainerActor:
         self.busy = BusyTracker()  # perf/trainer_idle_frac
         self.samples: tuple[torch.Tensor, list[str]] | None = None  # the last batch's first images, on rank 0
         self.stopping = threading.Event()  # the run is stopping: evaluations are abandoned (set on "control")
+        self.staged: tuple[int, dict] | None = None  # (version, state_dict()) of the last completed update
+        self._stage(0)
 
     def ready(self) -> bool:
         return True
@@ -92,6 +99,7 @@ class TrainerActor:
             if self.ema is not None and metrics.get("samples/trained", 0) > 0:  # not after a skipped (NaN) update
                 self.ema.update()
             time.sleep(max(0.0, self.cfg.trainer.min_step_time_s - (time.perf_counter() - start)))  # a paced trainer
+            self._stage(version + 1)  # (after the pacing, which stands for a long update)
         if self.rank == 0 and groups:
             self.samples = (torch.cat([g.images for g in groups])[:32], [g.prompt for g in groups for _ in range(g.size)][:32])
         return {**metrics, "perf/trainer_fetch_s": fetch_s, "samples/lost": lost, **self.gpu.read()}
@@ -225,8 +233,9 @@ class TrainerActor:
         state = {"trainable": trainable, "optimizer": optimizer, "steps": self.learner.steps, "rng": torch.get_rng_state()}
         return {**state, **ema} if self.rank == 0 else None
 
-    def load_state_dict(self, state: dict) -> None:
-        """Every rank gets the same whole state (sharded: each keeps its shards)."""
+    def load_state_dict(self, state: dict, version: int = 0) -> None:
+        """Every rank gets the same whole state (sharded: each keeps its shards); `version`: the
+        checkpoint's, which the staged copy of this state carries."""
         if self.sharded:
             from async_flowgrpo import fsdp
 
@@ -239,6 +248,48 @@ class TrainerActor:
         self.ema = self._new_average()  # without a saved one (a run that turned it on): from the loaded weights
         if self.ema is not None and "ema" in state:
             self.ema.load_state_dict(state["ema"])
+        self._stage(version)
+
+    # -- the staged state: what a stop saves without waiting for the update in flight -----------
+    def _stage(self, version: int) -> None:
+        """Keep a host copy of the state after `version` updates (state_dict's copy: the previous one
+        is dropped once this one is whole, so a reader never sees half of one). Rank 0 of replicated
+        weights only: sharded, the state is gathered collectively, which an update in flight blocks."""
+        if self.rank == 0 and not self.sharded:
+            self.staged = (version, self.state_dict())
+
+    @ray.method(concurrency_group="control")
+    def staged_state(self) -> tuple[int, dict] | None:
+        """(version, state) of the last completed update, answered at once during an update; None
+        when not staged (sharded weights)."""
+        return self.staged
+
+    @ray.method(concurrency_group="control")
+    def save_staged_weights(self, path: str, version: int) -> None:
+        """`save_weights` from the staged state of `version` (the live weights may be mid-update):
+        LoRA in the family's format; a full fine-tune's transformer as config + safetensors. A
+        two-expert full fine-tune's weights are left to the next regular checkpoint."""
+        staged_version, state = self.staged
+        if staged_version != version:
+            raise RuntimeError(f"staged state is of version {staged_version}, not {version}")
+        weights = state["ema"]["average"] if "ema" in state else state["trainable"]  # what save_weights saves
+        policy = self.learner.policy
+        if policy.lora_rank > 0:
+            policy.adapter.save_lora(path, weights)
+        elif len(policy.adapter.trained_components()) == 1:
+            self._save_full(path, weights)
+
+    def _save_full(self, path: str, weights: dict[str, torch.Tensor]) -> None:
+        """A full fine-tune's transformer from `weights` (its parameters, by name) and the live
+        module's buffers, which training leaves alone: loadable by `from_pretrained`."""
+        from safetensors.torch import save_file
+
+        transformer = self.learner.policy.adapter.transformer
+        out = os.path.join(path, "transformer")
+        buffers = {k: v.cpu() for k, v in transformer.state_dict().items() if k not in weights}  # e.g. pos_embed
+        transformer.save_config(out)
+        save_file({k: v.contiguous() for k, v in {**weights, **buffers}.items()},
+                  os.path.join(out, "diffusion_pytorch_model.safetensors"))
 
     def save_weights(self, path: str) -> None:
         """LoRA: diffusers/peft format, loadable by `pipe.load_lora_weights(path)`; full: the transformer
@@ -249,7 +300,6 @@ class TrainerActor:
 
     def _save_weights(self, path: str) -> None:
         policy = self.learner.policy
-        transformer = policy.adapter.transformer
         state = self._trainable_state()
         if self.rank != 0:
             return
@@ -257,13 +307,7 @@ class TrainerActor:
         if policy.lora_rank > 0:
             policy.adapter.save_lora(path, state)  # each family's own LoRA format (Wan2.2: one per expert)
         elif self.sharded:
-            from safetensors.torch import save_file
-
-            out = os.path.join(path, "transformer")
-            buffers = {k: v.cpu() for k, v in transformer.state_dict().items() if k not in state}  # e.g. pos_embed
-            transformer.save_config(out)
-            save_file({k: v.contiguous() for k, v in {**state, **buffers}.items()},
-                      os.path.join(out, "diffusion_pytorch_model.safetensors"))
+            self._save_full(path, state)
         else:
             for name, module in policy.adapter.trained_components().items():  # the pipeline's layout
                 module.save_pretrained(os.path.join(path, name))
