@@ -61,6 +61,20 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
 
 
+def pil_image_processor() -> type:
+    """The CLIP image processor that works on PIL images, the preprocessing CLIP and PickScore were
+    trained with, under every transformers we support: AutoImageProcessor picks a torchvision one
+    where torchvision is installed, and in transformers 5.14 (the `gpu` extra's) refuses to load without it."""
+    try:
+        from transformers import CLIPImageProcessorPil  # transformers 5: a class per backend
+
+        return CLIPImageProcessorPil
+    except ImportError:
+        from transformers import CLIPImageProcessor  # transformers 4: the PIL one
+
+        return CLIPImageProcessor
+
+
 class ClipEncoder:
     """A CLIP model + tokenizer + image processor that turns uint8 images / prompts into unit embeddings."""
 
@@ -75,7 +89,7 @@ class ClipEncoder:
         build_model: Optional[Callable[[], "torch.nn.Module"]] = None,
     ):
         """build_model: makes the CLIPModel instead of from_pretrained(path) (HPSv2's open_clip checkpoint)."""
-        from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+        from transformers import AutoTokenizer, CLIPModel
 
         if dtype not in _DTYPES:
             raise ValueError(f"{reward}: dtype must be one of {', '.join(_DTYPES)}, got '{dtype}'")
@@ -91,7 +105,7 @@ class ClipEncoder:
             raise RuntimeError(f"{reward}: could not load a CLIPModel from '{path}': {_first_line(e)}") from e
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(processor_path, local_files_only=True)
-            self.image_processor = AutoImageProcessor.from_pretrained(processor_path, local_files_only=True)
+            self.image_processor = pil_image_processor().from_pretrained(processor_path, local_files_only=True)
         except Exception as e:
             raise RuntimeError(
                 f"{reward}: could not load the tokenizer/image processor from '{processor_path}': {_first_line(e)}"
