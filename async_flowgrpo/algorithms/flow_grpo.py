@@ -95,7 +95,10 @@ def validate(s: FlowGRPOSettings, c: Any, require) -> None:
 
 def sampling(s: FlowGRPOSettings, sampling: dict, version: int) -> dict:
     """The rollout's generate() arguments for a group started at `version`: the moving window's
-    place when window_shift_every > 0 (MixGRPO), else unchanged."""
+    place when window_shift_every > 0 (MixGRPO), else unchanged. `version` is what the rollout holds
+    as it starts the group: weights published but not yet swapped in (they are at the group's first
+    step) count from its next group, a lag of one publication at a move, against moves every
+    window_shift_every versions."""
     if s.window_shift_every == 0:
         return sampling
     lo, hi = moving_window(version, num_steps=sampling["num_steps"], window_size=sampling["window_size"],
