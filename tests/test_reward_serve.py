@@ -14,6 +14,7 @@ import urllib.request
 import pytest
 import torch
 
+from async_flowgrpo.conditioning import SOURCE_IMAGES
 from async_flowgrpo.rewards import CombinedReward, RewardError, get_reward, register_reward
 from async_flowgrpo.rewards.remote import _payload
 from async_flowgrpo.rewards.serve import RewardService, make_server
@@ -29,6 +30,14 @@ def mean_red(images, prompts, metadata):
 
 
 register_reward("test_mean_red", mean_red)
+
+
+def source_red(images, prompts, metadata):
+    """A test edit reward: the red level of each sample's first input image."""
+    return torch.stack([m[SOURCE_IMAGES][0][..., 0].float().mean() / 255 for m in metadata])
+
+
+register_reward("test_source_red", source_red)
 
 
 def _images(n, level=0, size=8):
@@ -76,6 +85,14 @@ def test_remote_scores_through_the_server_as_in_process(serve):
     assert health["requests"] == 1 and health["batches"] == 1
 
 
+def test_an_edit_models_source_images_reach_the_served_reward(serve):
+    service, url = serve({"test_source_red": 1.0})
+    sources = [[_images(1, level=40 + 10 * i)[0]] for i in range(2)]
+    metadata = [{"tag": "x", SOURCE_IMAGES: s} for s in sources]
+    got = get_reward("remote", url=url, retries=0)(_images(2), ["a", "b"], metadata)["score"]
+    assert torch.allclose(got, source_red(None, None, metadata))
+
+
 def test_requests_from_many_workers_are_batched_and_each_gets_its_own_scores(serve):
     service, url = serve({"test_mean_red": 1.0}, batch_size=32, batch_wait_s=0.5)
     results, fn = {}, get_reward("remote", url=url, retries=0)
@@ -107,6 +124,7 @@ def test_bad_requests_get_a_4xx_in_one_line_and_the_server_goes_on(serve):
         "not base64": json.dumps({**json.loads(good), "images": ["%%%", "%%%"]}).encode(),
         "not a png": json.dumps({**json.loads(good), "images": ["aGVsbG8=", "aGVsbG8="]}).encode(),
         "mixed sizes": json.dumps(mixed_sizes).encode(),
+        "bad source_images": json.dumps({**json.loads(good), "source_images": ["x", "y"]}).encode(),
         "too large": b"x" * 20000,
     }
     for what, body in bad.items():

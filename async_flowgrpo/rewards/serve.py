@@ -16,6 +16,7 @@ as YAML: numbers, booleans, lists).
 
 Routes:
     POST / or /score   the remote protocol's request -> {"scores": [n], "<reward>": [n], ...}
+                       (an edit model's "source_images" reach the reward as in process, in its metadata)
     GET /health        {"status": "ok", "rewards": {...}, "requests": n, "batches": n, "bad_requests": n, "failed": n}
 
 Requests that arrive at about the same time (from many rollout workers) are scored in one call of
@@ -39,6 +40,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from async_flowgrpo.conditioning import SOURCE_IMAGES
 from async_flowgrpo.rewards import CombinedReward, RewardError, register_reward
 from async_flowgrpo.rewards.batching import Batcher
 from async_flowgrpo.rewards.remote import decode_png
@@ -87,6 +89,14 @@ def parse_request(body: bytes) -> tuple[torch.Tensor, list, list]:
     shapes = {tuple(a.shape) for a in arrays}
     if len(shapes) != 1:
         raise BadRequest(f"the {kind} of one request must share a shape, got {sorted(shapes)}")
+    if "source_images" in request:  # an edit model's inputs: back under the metadata key its reward reads
+        sources = request["source_images"]
+        if not isinstance(sources, list) or len(sources) != len(samples) or not all(isinstance(s, list) for s in sources):
+            raise BadRequest(f"'source_images' must be a list of {len(samples)} lists of base64 PNGs")
+        try:
+            metadata = [{**m, SOURCE_IMAGES: [torch.from_numpy(decode_png(x).copy()) for x in s]} for m, s in zip(metadata, sources)]
+        except (TypeError, ValueError, OSError, binascii.Error) as e:
+            raise BadRequest(f"an entry of 'source_images' is not a base64 PNG: {type(e).__name__}: {e}") from None
     return torch.stack(arrays), prompts, metadata
 
 
