@@ -68,11 +68,11 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
 
     With world_size > 1 (trainers whose forward passes are collective: FSDP-sharded weights or
     sequence parallelism; the process group is up) the ranks split the prompt chunks, score their own
-    and rank 0 gathers them: the same result as one process, in 1/world_size of the time. Every rank
-    makes the same number of generate calls, since each forward pass all-gathers the sharded blocks
-    (or splits its tokens); the others return None. With sequence_parallel N the chunks go to the
-    sequence groups, whose N ranks generate them together and each score 1/N of their prompts: every
-    prompt is scored once.
+    and rank 0 gathers them: the same result as one process. Every rank makes the same number of
+    generate calls, since each forward pass all-gathers the sharded blocks (or splits its tokens);
+    the others return None. With sequence_parallel N the chunks go to the world_size / N sequence
+    groups, whose N ranks generate them together and each score 1/N of their prompts: every prompt
+    is scored once.
 
     interrupted: polled before every denoising step and before each chunk is scored; once true the
     evaluation raises EvaluationCut (a stopping run does not wait for it; the weights are untouched).
