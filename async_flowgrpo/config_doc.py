@@ -148,7 +148,7 @@ def _table(name: str, defaults: Any, launched: Any, intro: str = "") -> list[str
 
 
 def _reward_options() -> list[str]:
-    """Every registered reward (what reward.weights names) and the keys reward.options.<name> takes,
+    """Every reward that ships (what reward.weights names) and the keys reward.options.<name> takes,
     read from the reward functions' signatures."""
     from async_flowgrpo import rewards
 
@@ -157,7 +157,7 @@ def _reward_options() -> list[str]:
            "`reward.options.<name>` takes the keys listed, checked at start. What each does and a runnable example "
            "of the services: [rewards.md](rewards.md).\n",
            "| reward | scores | `reward.options.<name>` keys (default) |\n| --- | --- | --- |"]
-    for name in sorted(n for n in rewards.available_rewards() if not n.startswith(rewards.FRAMES_PREFIX)):
+    for name in sorted(rewards.BUILTIN_REWARDS):
         params = list(inspect.signature(rewards._entry(name)).parameters.values())[3:]
         keys = ", ".join(f"`{p.name}`" + ("" if p.default is inspect.Parameter.empty else f" ({_fmt(p.default)})")
                          for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))

@@ -42,6 +42,7 @@ _REGISTRY: dict[str, Union[str, RewardFn]] = {
     "vlm_judge": "async_flowgrpo.rewards.vlm_judge:vlm_judge",
     "vlm_judge_video": "async_flowgrpo.rewards.vlm_judge:vlm_judge_video",
 }
+BUILTIN_REWARDS = frozenset(_REGISTRY)  # what ships (the registry also holds what users and tests register)
 _VIDEO_REWARDS = {"temporal_consistency", "remote_video", "vlm_judge_video"}  # names whose callables take videos [n, F, H, W, 3]
 FRAMES_PREFIX = "frames_"  # frames_<image reward>: that reward averaged over a video's frames
 
