@@ -253,3 +253,17 @@ def test_trained_lora_loads_into_flux_kontext_pipeline(policy, tmp_path, kontext
     module = name.split(".lora_B.")[0]
     loaded = [p for n, p in pipe.transformer.named_parameters() if n.startswith(module + ".lora_B.")]
     assert len(loaded) == 1 and torch.equal(loaded[0], state[name])
+
+
+def test_a_queued_edit_group_survives_a_checkpoint(policy):
+    """fully_async checkpoints its queued groups: the source images in their metadata are stored
+    as tensors (no pickle) and come back equal."""
+    from async_flowgrpo import checkpoint
+    from async_flowgrpo.types import Group
+
+    (group,) = policy.generate(["remove the red square"], 2, num_steps=2, guidance_scale=1.0, noise_level=0.7,
+                               sde_type="sde", window_size=1, seed=0, metadata=_sources([(220, 30, 30)]))
+    tree, tensors = checkpoint.encode(group.to_state())
+    back = Group.from_state(checkpoint.decode(tree, {k: v.clone() for k, v in tensors.items()}))
+    assert torch.equal(back.metadata[SOURCE_IMAGES][0], group.metadata[SOURCE_IMAGES][0])
+    assert torch.equal(back.pooled_prompt_embeds, group.pooled_prompt_embeds)
