@@ -140,24 +140,6 @@ def test_fully_async_eta_zero_is_sync(ray_cluster, tiny_model_dir, prompt_file, 
     assert all(r["staleness/max"] == 0 for r in rows)
 
 
-def test_weights_change_and_rollout_matches_trainer_bit_for_bit(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
-    p = Run(cfg)
-    try:
-        before = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
-        groups = one_batch(p)
-        p.train(groups)
-        p.publish_weights()
-        # The staged weights are swapped in at the next group start: generate one, then compare.
-        one_batch(p)
-        after = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
-        rollout_digests = ray.get([r.weights_digest.remote() for r in p.rollouts], timeout=60)
-    finally:
-        p.shutdown()
-    assert after != before
-    assert rollout_digests == [after, after]
-
-
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
 def test_failing_reward_skips_its_group_and_the_run_goes_on(ray_cluster, tiny_model_dir, tmp_path, mode):
     prompts = tmp_path / "mixed.txt"
@@ -508,10 +490,15 @@ def test_fully_async_stop_saves_the_queue_before_it_is_drained(ray_cluster, tiny
     assert last["groups/produced"] == last["groups/consumed"] + last["groups/dropped_stale"] + last["queue/size"]
 
 
-def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
-    """Batch mode: kill a rollout actor's process while it generates; the batch still completes."""
+def test_a_killed_rollout_actor_is_restarted_and_every_rollout_then_holds_the_trainers_weights_bit_for_bit(
+        ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """Batch mode, two rollout actors: kill one's process while it generates; the batch still
+    completes (its share regenerated). The update changes the weights, and both rollout actors, the
+    restarted one too, then hold the trainer's weights bit for bit. (One run for both checks: each
+    Run starts its actors, the larger part of a test's cost here.)"""
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "rollout.num_workers=2")
     with Run(cfg) as p:
+        before = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
         pid = ray.get(p.rollouts[0].pid.remote(), timeout=60)
         pending = p.batches.start(2)
         os.kill(pid, signal.SIGKILL)
@@ -521,6 +508,12 @@ def test_killed_rollout_actor_is_restarted_and_its_share_regenerated(ray_cluster
         p.train(groups)
         p.publish_weights()  # the restarted actor is back in the sync group
         assert ray.get(p.rollouts[0].pid.remote(), timeout=60) != pid
+        # The staged weights are swapped in at the next group start: generate one, then compare.
+        one_batch(p)
+        after = ray.get(p.trainers[0].weights_digest.remote(), timeout=60)
+        rollout_digests = ray.get([r.weights_digest.remote() for r in p.rollouts], timeout=60)
+    assert after != before
+    assert rollout_digests == [after, after]
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])

@@ -275,6 +275,7 @@ def check(sender, receivers, version, sent, received):
         assert_same(expected, got)
 
 
+@pytest.mark.slow  # starts Ray (the actors fixture)
 @pytest.mark.parametrize("name", ["collective", "object_store"])
 @pytest.mark.parametrize("kind,n", [("lora", 1), ("full", 2)])
 def test_sync_is_bit_exact_over_consecutive_versions(actors, name, kind, n):
@@ -292,6 +293,7 @@ def test_sync_is_bit_exact_over_consecutive_versions(actors, name, kind, n):
     assert sent.stats.digest != digest(make_state(kind, 1))
 
 
+@pytest.mark.slow  # starts Ray (the actors fixture)
 @pytest.mark.parametrize("name", ["collective", "object_store"])
 def test_digest_mismatch_is_detected(actors, name):
     sender, receivers = setup(actors, make_transport(name, bucket_mb=SMALL_BUCKET_MB, timeout_s=TIMEOUT), "full", 2)
@@ -304,6 +306,7 @@ def test_digest_mismatch_is_detected(actors, name):
         ray.get(bad, timeout=TIMEOUT)
 
 
+@pytest.mark.slow  # starts Ray (the actors fixture)
 def test_a_receiver_that_does_not_verify_still_reads_the_senders_digest(actors):
     """Verification is each side's own choice: a receiver that skips the check still reports the
     sender's digest, and the wire stays in step over consecutive syncs."""
@@ -317,6 +320,7 @@ def test_a_receiver_that_does_not_verify_still_reads_the_senders_digest(actors):
         check(sender, receivers, version, *sync(sender, receivers, version))
 
 
+@pytest.mark.slow  # starts Ray (the actors fixture)
 def test_rebuild_group_after_replacing_a_receiver(actors):
     transport = make_transport("collective", bucket_mb=SMALL_BUCKET_MB, timeout_s=TIMEOUT)
     sender, receivers = setup(actors, transport, "full", 2, seed=3)
