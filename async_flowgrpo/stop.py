@@ -11,7 +11,9 @@ finishes (one step's work), then the driver saves a checkpoint, prints one line 
 The grace period (`trainer.stop_grace_s`, a scheduler's wait between SIGTERM and SIGKILL): when the
 update and the save have not finished `SHUTDOWN_RESERVE_S` before it ends, the driver gives them up
 and leaves as a second signal does, naming the last complete checkpoint; the reserve is what
-shutting the actors and Ray down takes.
+shutting the actors and Ray down takes. So that this loses at most the update in flight, a signal
+during an update saves the step before it at once, from the trainer's state staged in host memory
+(`Run.save_staged_checkpoint`), without waiting for the update.
 
 A second signal abandons at once, without a checkpoint: the previous one stays the latest. Once
 the driver is closing (actors and Ray being shut down) signals are noted and nothing more: leaving

@@ -134,7 +134,6 @@ def test_a_write_that_fails_part_way_leaves_whole_lines(model_dir, tmp_path):
         sys.path.insert(0, {ROOT!r})
         from async_flowgrpo.config import load_config
         from async_flowgrpo.metrics import RunLogger
-from test_launcher import prompt_file  # noqa: F401 (the fixture)
         cfg = load_config("sync", ["model.path={model_dir}", "trainer.output_dir={out}"])
         log = RunLogger({str(out)!r}, cfg, total_steps=3, progress=False)
         log.log(1, {{"reward/mean": 0.5}})
@@ -171,9 +170,9 @@ def test_a_stop_during_a_long_update_saves_the_step_before_it(tiny_model_dir, pr
     from test_launcher import small_args
 
     out = str(tmp_path / "run")
-    # checkpoint_every=2: no checkpoint before the stop, and fully_async does not prefetch batch 3
-    # during update 2 (step 2 checkpoints), so update 2's groups are all the untrained ones
-    command = small_args(tiny_model_dir, prompt_file, out, "trainer.checkpoint_every=2", "trainer.resume=auto")
+    # no checkpoint before the stop; fully_async prefetches batch 3 during update 2 (it goes back to
+    # the queue, in the checkpoint with update 2's groups), one_step_off generates it (regenerated)
+    command = small_args(tiny_model_dir, prompt_file, out, "trainer.checkpoint_every=50", "trainer.resume=auto")
     first = Launch(mode, [*command, "trainer.total_steps=40", f"trainer.min_step_time_s={LONG_UPDATE_S}",
                           f"trainer.stop_grace_s={GIVE_UP_GRACE_S}"], out, f"{mode}: SIGTERM during update 2")
     resumed = None

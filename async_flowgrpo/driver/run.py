@@ -258,6 +258,9 @@ class Run:
         self._reward_errors_seen: dict[int, int] = {}  # fully_async: per rollout actor, to count skipped groups
         self.saved_step: int | None = None  # the step of the newest checkpoint this process wrote
         self.checkpoint_extra = lambda: {}  # a mode adds its own state (fully_async: the queue's counters)
+        # a stop's checkpoint written during an update: a mode first gives back what it took for the
+        # next update (fully_async: a prefetched batch, back to the queue)
+        self.before_staged_save: Callable[[], None] = lambda: None
         self._on_exit: list[Callable[[], None]] = []
         self.log = RunLogger(cfg.trainer.output_dir, cfg, total_steps=cfg.trainer.total_steps, progress=cfg.logging.progress)
         self.resumed_state = self._resume_if_asked()
@@ -453,6 +456,7 @@ class Run:
             groups = ray.get([r.ref for r in step.records], timeout=timeout)
         except ray.exceptions.ObjectLostError:  # died with its rollout actor: the regular save accounts for it
             return None
+        self.before_staged_save()
         extra, in_flight = self.checkpoint_extra(), {}
         counts = {"produced_samples": self.produced_samples, "skipped_groups": self.skipped_groups}
         if "queue" in extra:  # fully_async

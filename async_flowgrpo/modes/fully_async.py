@@ -82,6 +82,17 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
                         run.recover_rollout(i, e)
                         loops[i] = run.rollouts[i].run.remote(queue)
 
+        next_batch = None  # a get_batch call made during the update in flight (prefetch)
+
+        def give_back_prefetched() -> None:
+            """A stop's checkpoint is written during the update (it outlasts the grace period): the
+            batch prefetched for the next update goes back to the queue first, so it is saved as queued."""
+            nonlocal next_batch
+            if next_batch is not None:
+                take(next_batch)  # a stop was asked for: the batch goes back to the queue
+                next_batch = None
+
+        run.before_staged_save = give_back_prefetched
         run.evaluate_at_start()
         in_flight = None  # an update started on the trainers, not yet counted
         while run.step < total:
