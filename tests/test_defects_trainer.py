@@ -69,14 +69,12 @@ def reduce_rank(rank, port, out_path):
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # 2 spawned processes
-def test_ranks_agree_which_parameters_no_backward_reached(tmp_path):
+@pytest.mark.slow  # 2 spawned processes (the module's)
+def test_ranks_agree_which_parameters_no_backward_reached(spawned):
     """The data-parallel reduce: a parameter some rank reached gets the mean on every rank (zeros
     from the others), one that no rank reached keeps no gradient on any (so no rank steps it)."""
-    out_path = str(tmp_path / "grads")
-    mp.start_processes(reduce_rank, args=(free_port(), out_path), nprocs=2, join=True, start_method="spawn")
     for rank in range(2):
-        got = torch.load(f"{out_path}.{rank}")
+        got = spawned["reduce"][rank]
         assert torch.equal(got["a"], torch.full((3,), 1.0)) and torch.equal(got["c"], torch.full((3,), 1.5))
         assert got["b"] is None
 
@@ -160,23 +158,20 @@ def fetch_rank(rank, port, model_dir, output_dir, sequence_parallel, shards, los
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # 2 spawned processes per case
-@pytest.mark.parametrize("case", ["sequence group", "data parallel"])
-def test_ranks_agree_on_the_groups_they_keep(tmp_path, case):
+# (sequence_parallel, each rank's shard of group indices): group 1 is lost on rank 1 only
+FETCH_CASES = {"sequence group": (2, [[0, 1], [0, 1]]), "data parallel": (1, [[0], [1]])}
+LOST_ON = [set(), {1}]
+
+
+@pytest.mark.slow  # 2 spawned processes (the module's)
+@pytest.mark.parametrize("case, expected", [("sequence group", ([[0]], [[0]], 2, 2)), ("data parallel", ([], [], 2, 2))],
+                         ids=list(FETCH_CASES))
+def test_ranks_agree_on_the_groups_they_keep(spawned, case, expected):
     """Sequence parallel: both ranks of a group get groups 0 and 1, and group 1 is lost on rank 1 only:
     both must train group 0 alone (different rows would mismatch the all-to-alls). Data parallel:
     rank 1 loses its only group; a rank with nothing to train cannot join the gradient all-reduce,
     so neither trains (the other would wait in it) and rank 0's group counts as lost too."""
-    model_dir = make_tiny_wan_dir(str(tmp_path / "wan"))
-    sequence_parallel, shards, expected = {
-        "sequence group": (2, [[0, 1], [0, 1]], ([[0]], [[0]], 2, 2)),
-        "data parallel": (1, [[0], [1]], ([], [], 2, 2)),
-    }[case]
-    lost_on = [set(), {1}]
-    out_path = str(tmp_path / "kept")
-    mp.start_processes(fetch_rank, args=(free_port(), model_dir, str(tmp_path / "run"), sequence_parallel, shards,
-                                         lost_on, out_path), nprocs=2, join=True, start_method="spawn")
-    got = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in range(2)]
+    got = spawned[case]
     assert (got[0]["trained"], got[1]["trained"], got[0]["lost"], got[1]["lost"]) == expected
 
 
@@ -229,20 +224,16 @@ def sequence_config(model_dir, output_dir):
         "rollout.groups_per_step=2", f"trainer.output_dir={output_dir}", "logging.actor_output=console", "eval.num_steps=2"])
 
 
-@pytest.mark.slow  # 2 spawned processes
-def test_a_sequence_group_scores_each_evaluation_prompt_once(tmp_path):
+@pytest.mark.slow  # 2 spawned processes (the module's)
+def test_a_sequence_group_scores_each_evaluation_prompt_once(spawned):
     """Both ranks of a sequence group take part in every forward pass, but a prompt is scored on one
     of them (a model reward or a remote judge would otherwise get every prompt twice), and rank 0's
     result is the one-process evaluation's."""
     from async_flowgrpo import evaluation
     from async_flowgrpo.prompts import load_prompts
 
-    model_dir = make_tiny_wan_dir(str(tmp_path / "wan"))
-    out_path = str(tmp_path / "eval")
-    mp.start_processes(evaluate_rank, args=(free_port(), model_dir, str(tmp_path / "run"), out_path), nprocs=2,
-                       join=True, start_method="spawn")
-    got = [torch.load(f"{out_path}.{rank}", weights_only=False) for rank in range(2)]
-    cfg = sequence_config(model_dir, str(tmp_path / "run"))
+    got = spawned["evaluate"]
+    cfg = sequence_config(spawned["model_dir"], spawned["evaluate_run"])
     samples = len(load_prompts(cfg.eval.prompts)) * cfg.eval.samples_per_prompt
     assert got[0]["scored"] + got[1]["scored"] == samples  # before: 2 x samples, every rank scored every prompt
     assert got[0]["scored"] > 0 and got[1]["scored"] > 0 and got[1]["result"] is None
@@ -252,3 +243,28 @@ def test_a_sequence_group_scores_each_evaluation_prompt_once(tmp_path):
     assert {k: v for k, v in metrics.items() if k != "eval/time_s"} == \
         {k: v for k, v in alone["metrics"].items() if k != "eval/time_s"}
     assert torch.equal(got[0]["result"]["images"], alone["images"]) and got[0]["result"]["captions"] == alone["captions"]
+
+
+# -- the spawned ranks, once for the module ----------------------------------------------------------
+
+def scenario_rank(rank, ports, model_dir, root):
+    """One process's part in every two-rank scenario above, one after another, each over its own
+    process group (a spawned process's start, importing torch and diffusers, costs several seconds
+    of CPU: once for the module instead of once per test)."""
+    reduce_rank(rank, ports[0], f"{root}/reduce")
+    for i, (case, (sequence_parallel, shards)) in enumerate(FETCH_CASES.items(), start=1):
+        fetch_rank(rank, ports[i], model_dir, f"{root}/run_{case.replace(' ', '_')}", sequence_parallel, shards,
+                   LOST_ON, f"{root}/{case}")
+    evaluate_rank(rank, ports[len(FETCH_CASES) + 1], model_dir, f"{root}/run_evaluate", f"{root}/evaluate")
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """{scenario: [rank 0's result, rank 1's]} from one pair of spawned ranks (scenario_rank)."""
+    root = tmp_path_factory.mktemp("spawned")
+    model_dir = make_tiny_wan_dir(str(root / "wan"))
+    ports = [free_port() for _ in range(len(FETCH_CASES) + 2)]
+    mp.start_processes(scenario_rank, args=(ports, model_dir, str(root)), nprocs=2, join=True, start_method="spawn")
+    results = {name: [torch.load(f"{root}/{name}.{rank}", weights_only=False) for rank in range(2)]
+               for name in ("reduce", *FETCH_CASES, "evaluate")}
+    return {**results, "model_dir": model_dir, "evaluate_run": f"{root}/run_evaluate"}
