@@ -10,7 +10,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "async_flowgrpo")
 
 # Lowest first. A module may import modules of its own layer or of lower ones.
 LAYERS = [
-    ("foundation", ("config", "algo", "algorithms", "types", "sampling", "stop", "prompts", "checkpoint", "metrics", "gpu_monitor",
+    ("foundation", ("config", "algo", "algorithms", "types", "sampling", "stop", "prompts", "conditioning", "checkpoint", "metrics", "gpu_monitor",
                     "fsdp", "seqpar", "models", "rewards", "shapes", "sync", "queue", "ema", "config_doc")),
     ("components", ("policy", "learner", "nft_learner", "rollout", "builders", "evaluation")),
     ("actors", ("actors",)),
