@@ -52,13 +52,13 @@ def pytest_configure(config):
 
 
 # The longest modules, longest first (as measured in the suite on 2 cores, 2026-11-27; the
-# algorithm-mode runs, the long-update stops and the three-reward-service run from their own runs,
-# beside other work). The suite runs on two workers a module at a time (`-n 2 --dist loadfile
+# algorithm-mode runs (134 s), the long-update stops (122 s) and the three-reward-service run from
+# their own runs). The suite runs on two workers a module at a time (`-n 2 --dist loadfile
 # --no-loadscope-reorder`), each taking the next module in collection order as it frees up (xdist's
 # own order, by number of tests, left the two-test cluster-signal module to the end, one worker busy
 # alone for minutes). Longest first, both end within a short module of each other.
-LONGEST_MODULES = ("test_run", "test_algorithm_modes", "test_cluster_signals", "test_stop_resume_defects",
-                   "test_multinode", "test_fault_injection", "test_reward_overlap", "test_wan_run",
+LONGEST_MODULES = ("test_run", "test_cluster_signals", "test_multinode", "test_algorithm_modes",
+                   "test_stop_resume_defects", "test_fault_injection", "test_reward_overlap", "test_wan_run",
                    "test_reward_services_run", "test_seqpar", "test_gpu_bench", "test_defects_trainer", "test_queue",
                    "test_fully_async")
 
