@@ -32,7 +32,7 @@ from ..models.tiny import save_tiny
 from ..models.tiny_flux import TinyFluxSpec
 from ..models.tiny_kontext import build_tiny_kontext
 from .edit_scenes import instruction, render_pair, split_edits, vocabulary
-from .pretrain import Progress, cpu, log, lr_at
+from .pretrain import Progress, cpu, log, lr_at, update_with_ema
 
 SHAPES_VAE = os.path.join(os.path.dirname(__file__), "..", "assets", "shapes_sd3", "vae")
 OUT = os.path.join(os.path.dirname(__file__), "..", "assets", "shapes_edit")
@@ -159,14 +159,7 @@ def main(argv: list[str] | None = None) -> None:
         s = sig.view(-1, 1, 1)
         pred = forward(pipe, (1 - s) * x0 + s * noise, cond, sig, prompts, ids)
         loss = torch.nn.functional.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
-        opt.step()
-        decay = min(0.998, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe, pm in zip(ema.parameters(), modules.parameters()):
-                pe.lerp_(pm, 1 - decay)
+        update_with_ema(loss, opt, modules, ema, step)
         ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
         step += 1
         if step % 50 == 0:

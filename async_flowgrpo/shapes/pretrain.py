@@ -96,6 +96,20 @@ def lr_at(progress: float, step: int, base: float, warmup: int = 50, floor: floa
     return base * w * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def update_with_ema(loss: torch.Tensor, opt: torch.optim.Optimizer, modules: torch.nn.Module, ema: torch.nn.Module,
+                    step: int) -> None:
+    """One optimizer step on `loss` (gradient norm clipped at 1), then the EMA copy moves toward the
+    weights with a decay that warms up to 0.998 (the early steps would otherwise freeze the EMA)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
+    opt.step()
+    decay = min(0.998, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for p_ema, p in zip(ema.parameters(), modules.parameters()):
+            p_ema.lerp_(p, 1 - decay)
+
+
 def train_vae(vae, x: torch.Tensor, steps: int, budget_s: float, batch: int, lr: float, kl_weight: float, gen,
               crop: int = 16) -> int:
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
@@ -200,14 +214,7 @@ def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, ge
         pe, _, pp, _ = pipe.encode_prompt(prompts, prompts, None, do_classifier_free_guidance=False, max_sequence_length=1)
         pred = tr(hidden_states=xt, encoder_hidden_states=pe, pooled_projections=pp, timestep=sig * 1000).sample
         loss = torch.nn.functional.mse_loss(pred, noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(modules.parameters(), 1.0)
-        opt.step()
-        decay = min(0.998, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for pe_, pm in zip(ema.parameters(), modules.parameters()):
-                pe_.lerp_(pm, 1 - decay)
+        update_with_ema(loss, opt, modules, ema, step)
         ema_loss = loss.item() if ema_loss is None else 0.98 * ema_loss + 0.02 * loss.item()
         step += 1
         if step % 50 == 0:
