@@ -78,6 +78,7 @@ class TrainerActor:
         self.samples: tuple[torch.Tensor, list[str]] | None = None  # the last batch's first images, on rank 0
         self.stopping = threading.Event()  # the run is stopping: evaluations are abandoned (set on "control")
         self.staged: tuple[int, dict] | None = None  # (version, state_dict()) of the last completed update
+        self.staged_is_current = False  # no update has touched the weights since the staged copy
         self._stage(0)
 
     def ready(self) -> bool:
@@ -92,6 +93,7 @@ class TrainerActor:
         """shard: ([object ref of a Group], its advantages) per group; the refs are wrapped in a list
         so that Ray hands them over unresolved and this actor fetches them."""
         with self.busy.busy():
+            self.staged_is_current = False  # (an update that raises leaves it so)
             start = time.perf_counter()
             groups, lost = self._fetch(shard)
             fetch_s = time.perf_counter() - start
@@ -219,6 +221,8 @@ class TrainerActor:
 
     def state_dict(self) -> dict | None:
         ema = {}
+        if self.staged_is_current:  # a checkpoint right after an update: that update's copy, not a second one
+            return {**self.staged[1], "rng": torch.get_rng_state()}
         if not self.sharded:
             if self.ema is not None:
                 ema = {"ema": self.ema.state_dict()}
@@ -256,7 +260,9 @@ class TrainerActor:
         is dropped once this one is whole, so a reader never sees half of one). Rank 0 of replicated
         weights only: sharded, the state is gathered collectively, which an update in flight blocks."""
         if self.rank == 0 and not self.sharded:
+            self.staged_is_current = False
             self.staged = (version, self.state_dict())
+            self.staged_is_current = True
 
     @ray.method(concurrency_group="control")
     def staged_state(self) -> tuple[int, dict] | None:
