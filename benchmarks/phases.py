@@ -316,7 +316,7 @@ def train_contenders(policy, prompts, args, flow_grpo=None):
         return nft_train_contenders(policy, prompts, args)
     import torch
 
-    from async_flowgrpo.learner import Learner
+    from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 
     groups = policy.generate(
         prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=args.noise_level,
@@ -389,7 +389,7 @@ def nft_train_contenders(policy, prompts, args):
     first), a forward with gradient and a squared error to the flow target, backward; one AdamW step."""
     import torch
 
-    from async_flowgrpo.nft_learner import NFTLearner
+    from async_flowgrpo.algorithms.diffusion_nft import NFTLearner
 
     groups = policy.generate(prompts, args.group_size, num_steps=args.steps, guidance_scale=args.cfg, noise_level=0.0,
                              sde_type="sde", window_size=0, seed=12345)
@@ -445,19 +445,24 @@ def baseline_train(args, policy, groups):
     is this checkout's."""
     import importlib.util
 
-    name = "nft_learner" if args.algorithm == "diffusion_nft" else "learner"
-    path = os.path.join(args.baseline, "async_flowgrpo", name + ".py")
-    if not os.path.isfile(path):
-        raise SystemExit(f"--baseline: {args.baseline} has no async_flowgrpo/{name}.py")
-    spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+    nft = args.algorithm == "diffusion_nft"
+    # the algorithms/ layout, then the one before it (a learner module each, at the package's top)
+    layouts = [(f"algorithms/{args.algorithm}.py", "NFTLearner" if nft else "FlowGRPOLearner"),
+               ("nft_learner.py" if nft else "learner.py", "NFTLearner" if nft else "Learner")]
+    found = [(os.path.join(args.baseline, "async_flowgrpo", f), cls) for f, cls in layouts
+             if os.path.isfile(os.path.join(args.baseline, "async_flowgrpo", f))]
+    if not found:
+        raise SystemExit(f"--baseline: {args.baseline} has no async_flowgrpo/{layouts[0][0]} (nor {layouts[1][0]})")
+    path, cls = found[0]
+    spec = importlib.util.spec_from_file_location(f"baseline_{args.algorithm}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     micro = args.baseline_micro_batch or args.micro_batch
-    if args.algorithm == "diffusion_nft":
-        learner = module.NFTLearner(policy, micro_batch_size=micro, beta=args.beta)
+    if nft:
+        learner = getattr(module, cls)(policy, micro_batch_size=micro, beta=args.beta)
     else:
-        learner = module.Learner(policy, micro_batch_size=micro, uncond_grad=not args.no_uncond_grad, beta=args.beta)
+        learner = getattr(module, cls)(policy, micro_batch_size=micro, uncond_grad=not args.no_uncond_grad, beta=args.beta)
     return lambda r: learner.train_step(groups, version=0)
 
 

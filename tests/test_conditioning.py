@@ -209,8 +209,8 @@ def test_both_learners_train_on_edit_groups(kontext_dir):
     fresh samples) and DiffusionNFT's forward-process loss train on them with finite gradients."""
     import math
 
-    from async_flowgrpo.learner import Learner
-    from async_flowgrpo.nft_learner import NFTLearner
+    from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
+    from async_flowgrpo.algorithms.diffusion_nft import NFTLearner
     from async_flowgrpo.policy import DiffusionPolicy
 
     metas = _sources([(220, 30, 30), (35, 70, 225)])

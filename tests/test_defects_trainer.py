@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from unittest import mock
 
 from async_flowgrpo import seqpar
-from async_flowgrpo.learner import Learner
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
 from async_flowgrpo.policy import DiffusionPolicy
 

@@ -118,7 +118,7 @@ def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_p
 
 def test_plain_classes_import_without_ray():
     code = ("import sys; sys.modules['ray'] = None; sys.modules['wandb'] = None\n"
-            "import async_flowgrpo.sync, async_flowgrpo.builders, async_flowgrpo.learner, async_flowgrpo.policy\n"
+            "import async_flowgrpo.sync, async_flowgrpo.builders, async_flowgrpo.algorithms, async_flowgrpo.policy\n"
             "async_flowgrpo.sync.make_transport('collective').sender()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

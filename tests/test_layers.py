@@ -12,7 +12,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "async_flowgrpo")
 LAYERS = [
     ("foundation", ("config", "algo", "algorithms", "types", "sampling", "stop", "prompts", "conditioning", "checkpoint", "metrics", "gpu_monitor",
                     "fsdp", "seqpar", "models", "rewards", "shapes", "sync", "queue", "ema", "config_doc")),
-    ("components", ("policy", "learner", "nft_learner", "rollout", "builders", "evaluation")),
+    ("components", ("policy", "rollout", "builders", "evaluation")),
     ("actors", ("actors",)),
     ("driver", ("driver",)),
     ("modes", ("modes",)),

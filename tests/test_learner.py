@@ -13,7 +13,7 @@ from async_flowgrpo import algo
 from async_flowgrpo.algorithms import flow_grpo
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.learner import Learner
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 
 # 2 shared cores: OpenMP threads spinning against other jobs make tiny matmuls ~20x slower
 torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from async_flowgrpo.models.qwen_image import QwenImageAdapter
 from async_flowgrpo.models.tiny_flux import make_tiny_flux_dir
 from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
 from async_flowgrpo.policy import DiffusionPolicy
-from async_flowgrpo.learner import Learner
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 
 torch.set_num_threads(1)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,7 +10,7 @@ from async_flowgrpo import algo
 from async_flowgrpo.algorithms import diffusion_nft
 from async_flowgrpo.config import load_config
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
-from async_flowgrpo.nft_learner import NFTLearner
+from async_flowgrpo.algorithms.diffusion_nft import NFTLearner
 from async_flowgrpo.policy import DiffusionPolicy
 from async_flowgrpo.sampling import rollout_sampling
 from async_flowgrpo.builders import build_learner

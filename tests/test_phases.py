@@ -18,7 +18,7 @@ import torch
 
 from async_flowgrpo import algo
 from async_flowgrpo.algorithms import flow_grpo
-from async_flowgrpo.learner import Learner
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 from async_flowgrpo.policy import DiffusionPolicy
 
 STEPS = 5
@@ -280,5 +280,5 @@ def test_phases_benchmark_times_a_baseline_checkouts_learner(phases, tiny_model_
                               "--rounds", "1", "--warmup", "0", "--no-profile"])
         train = result["phases"]["train"]
         assert len(train["baseline"]["times_s"]) == 1 and train["vs_baseline"]["ratio_of_medians"] > 0
-    with pytest.raises(SystemExit, match="no async_flowgrpo/learner.py"):
+    with pytest.raises(SystemExit, match="no async_flowgrpo/algorithms/flow_grpo.py"):
         phases.main(["--model", tiny_model_dir, "--phases", "train", "--baseline", str(tmp_path)])

@@ -16,7 +16,7 @@ import torch
 
 from async_flowgrpo import algo
 from async_flowgrpo.config import ConfigError, load_config
-from async_flowgrpo.learner import Learner
+from async_flowgrpo.algorithms.flow_grpo import FlowGRPOLearner as Learner
 from async_flowgrpo.models import load_adapter
 from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
 from async_flowgrpo.policy import DiffusionPolicy

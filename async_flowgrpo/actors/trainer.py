@@ -1,6 +1,6 @@
 """Trainer actors: data-parallel Learners plus, on rank 0, the weight sender and evaluation.
 
-`TrainerActor` is a thin Ray shell around `learner.Learner` (or `nft_learner.NFTLearner`). Trainers form their own process group
+`TrainerActor` is a thin Ray shell around a learner of `algorithms/` (the one `algorithm.name` registers). Trainers form their own process group
 (gloo on CPU, NCCL on CUDA) for the gradient all-reduce; the weight-sync group with the rollout
 actors is a separate one (async_flowgrpo.sync), so the two never interfere.
 
