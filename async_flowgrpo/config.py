@@ -44,7 +44,9 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "embedded"  # a diffusers directory; "embedded" = the shipped tiny shapes model, "embedded_edit" = the shipped tiny edit model (config/shapes_edit.yaml)
-    family: str = "sd3"  # sd3 | flux | qwen_image | wan | flux_kontext (the adapter itself is picked from model_index.json)
+    # sd3 | flux | qwen_image | wan | flux_kontext | qwen_image_edit | qwen_image_edit_plus (the adapter
+    # itself is picked from model_index.json)
+    family: str = "sd3"
     lora_rank: int = 32  # 0 = full fine-tune
     lora_alpha: int = 64
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
@@ -556,10 +558,15 @@ def validate(c: Config) -> None:
     for key in ("connect_timeout_s", "start_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
         _require(getattr(c.ray, key) > 0, f"ray.{key}", "must be > 0")
     loaded = {}
+    from async_flowgrpo.models import adapter_class  # (the adapter modules import no model library)
+
     size = r.resolution or read_model_settings(model_dir).get("resolution")  # input images must match the samples
     for key, prompts in (("rollout.prompts", r.prompts), ("eval.prompts", e.prompts)):
         try:  # read now: a bad file is one line here, not a traceback from inside a Ray actor
             loaded[key] = load_prompts(prompts, image_size=(size, size) if size else None)
+            check_count = getattr(adapter_class(c.model.family), "check_image_count", None)  # Qwen-Image-Edit: one
+            if check_count and loaded[key][0].images:
+                check_count(len(loaded[key][0].images))
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"{key}: {err}") from None
         edits = c.model.family in IMAGE_FAMILIES

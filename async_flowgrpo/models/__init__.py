@@ -18,10 +18,13 @@ _FAMILIES = {
     "QwenImagePipeline": ("qwen_image", "async_flowgrpo.models.qwen_image", "QwenImageAdapter"),
     "WanPipeline": ("wan", "async_flowgrpo.models.wan", "WanAdapter"),
     "FluxKontextPipeline": ("flux_kontext", "async_flowgrpo.models.flux_kontext", "FluxKontextAdapter"),
+    "QwenImageEditPipeline": ("qwen_image_edit", "async_flowgrpo.models.qwen_image_edit", "QwenImageEditAdapter"),
+    "QwenImageEditPlusPipeline": ("qwen_image_edit_plus", "async_flowgrpo.models.qwen_image_edit", "QwenImageEditPlusAdapter"),
 }
 FAMILIES = tuple(family for family, _, _ in _FAMILIES.values())  # the choices of model.family
 VIDEO_FAMILIES = ("wan",)  # families whose samples are videos [n, F, H, W, 3], not images
-IMAGE_FAMILIES = ("flux_kontext",)  # families whose prompts carry input images (edit models)
+# families whose prompts carry input images (edit models)
+IMAGE_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus")
 # WanPipeline's own defaults, for checkpoints that do not say: 81 frames per video, and a VAE
 # compressing 4 frames into one latent frame (after the causal first frame)
 WAN_NUM_FRAMES = 81

@@ -47,7 +47,14 @@ class QwenImageAdapter(FamilyAdapter):
         embeds, mask = self.pipeline.encode_prompt(
             prompt=prompts, device=self.device, max_sequence_length=self.max_sequence_length
         )
+        return self._padded(embeds, mask)
+
+    def _padded(self, embeds: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        """encode_prompt's (embeds, mask) padded to max_sequence_length: [B, L, D], float mask [B, L]."""
         b, n, d = embeds.shape
+        if n > self.max_sequence_length:  # (the edit pipelines' prompts hold the image's tokens and do not truncate)
+            raise ValueError(f"a prompt encodes to {n} tokens, more than the model's max_sequence_length "
+                             f"{self.max_sequence_length}: shorten it or raise max_sequence_length in async_flowgrpo.json")
         if mask is None:  # the pipeline drops an all-ones mask
             mask = torch.ones(b, n, device=embeds.device)
         pad = self.max_sequence_length - n
@@ -64,20 +71,25 @@ class QwenImageAdapter(FamilyAdapter):
         neg, neg_mask = self._encode([self.negative_prompt] * len(prompts))
         return PromptEmbeds(embeds, mask, neg, neg_mask)
 
-    def _forward(self, transformer, x, t, embeds, mask, *, shape, guidance_scale):
-        """`mask` (the pooled slot): the text mask, see the module docstring."""
-        h, w = shape[-2:]
+    def _text(self, embeds: Tensor, mask: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The batch's text embeddings and bool mask trimmed of the shared padding (up to the batch's
+        last valid token); the mask None when nothing is masked."""
         mask = mask.to(self.device) > 0.5
-        # trim the shared padding: up to the batch's last valid token
         valid = mask.any(0).nonzero()
         length = int(valid.max()) + 1 if len(valid) else 1
         length = min(-(-length // self.token_multiple) * self.token_multiple, mask.shape[1])  # masked padding
         mask = mask[:, :length]
+        return embeds[:, :length], None if bool(mask.all()) else mask
+
+    def _forward(self, transformer, x, t, embeds, mask, *, shape, guidance_scale):
+        """`mask` (the pooled slot): the text mask, see the module docstring."""
+        h, w = shape[-2:]
+        embeds, mask = self._text(embeds, mask)
         return transformer(
             hidden_states=x,
             timestep=t,
-            encoder_hidden_states=embeds[:, :length],
-            encoder_hidden_states_mask=None if bool(mask.all()) else mask,
+            encoder_hidden_states=embeds,
+            encoder_hidden_states_mask=mask,
             img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
             return_dict=False,
         )[0]

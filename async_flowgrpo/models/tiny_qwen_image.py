@@ -40,7 +40,7 @@ QWEN_SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-_PIECES = r"\w+|[^\w\s]+|\n"  # words, punctuation runs, newlines
+_PIECES = r"'s|\w+|[^\w\s]+|\n"  # "'s" (a token of its own in Qwen2's BPE too), words, punctuation runs, newlines
 
 
 @dataclass
@@ -59,6 +59,7 @@ class TinyQwenImageSpec:
     heads: int = 2
     head_dim: int = 16
     axes_dims_rope: tuple[int, int, int] = (4, 6, 6)  # sums to head_dim
+    vision_patch_size: int = 14  # the vision tower's patch side (Qwen2.5-VL's); it runs only in the edit pipelines
     seed: int = 0
 
 
@@ -110,6 +111,7 @@ def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditiona
             intermediate_size=32,
             num_heads=2,
             out_hidden_size=spec.text_hidden,
+            patch_size=spec.vision_patch_size,
             fullatt_block_indexes=[0],
         ),
         image_token_id=ids("<|image_pad|>"),
@@ -120,7 +122,8 @@ def _text_encoder(spec: TinyQwenImageSpec, tokenizer) -> Qwen2_5_VLForConditiona
     return Qwen2_5_VLForConditionalGeneration(cfg)
 
 
-def build_tiny_qwen_image(spec: TinyQwenImageSpec) -> QwenImagePipeline:
+def build_tiny_qwen_image(spec: TinyQwenImageSpec, pipeline_class=QwenImagePipeline, **components) -> QwenImagePipeline:
+    """`pipeline_class` and `components`: a pipeline over the same parts with more of them (the edit pipelines' processor)."""
     torch.manual_seed(spec.seed)
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -149,7 +152,8 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec) -> QwenImagePipeline:
         shift_terminal=0.02,
         time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    pipe = pipeline_class(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer,
+                          **components)
     # the prompt template is the pipeline's own (an instance attribute set in __init__)
     tokenizer = build_qwen_tokenizer(spec.vocab, pipe.prompt_template_encode)
     pipe.register_modules(text_encoder=_text_encoder(spec, tokenizer), tokenizer=tokenizer)
@@ -157,8 +161,8 @@ def build_tiny_qwen_image(spec: TinyQwenImageSpec) -> QwenImagePipeline:
 
 
 def template_prefix_length(pipe: QwenImagePipeline) -> int:
-    """Tokens of the prompt template before the prompt (what the pipeline drops)."""
-    prefix = pipe.prompt_template_encode.split("{}")[0]
+    """Tokens of the prompt template before the prompt and its image (what the pipeline drops)."""
+    prefix = pipe.prompt_template_encode.split("{}")[0].split("<|vision_start|>")[0]
     return len(pipe.tokenizer(prefix).input_ids)
 
 
