@@ -157,3 +157,26 @@ def test_edit_given_two_images_is_one_config_error_plus_takes_them(twin, tmp_pat
         twin["policy"].adapter.encode_prompts([PROMPT], cfg=False, images=[[RED, BLUE]])
     one = overrides[:2] + [f"rollout.prompts={_prompt_file(tmp_path, 1)}", f"eval.prompts={_prompt_file(tmp_path, 1)}"]
     assert load_config("sync", one + overrides[4:]).model.family == "qwen_image_edit"
+
+
+def test_plus_trains_fully_async_on_ray_with_two_images_per_prompt(ray_cluster, tmp_path):
+    """The whole pipeline once (the one Ray run of the edit families): a prompt file with two images
+    per row, fully_async with in-flight weight updates, the image tokens carried in the queued
+    groups; every step trains, the fresh samples replay exactly, every publication is verified."""
+    from test_run import read_metrics, small_config
+
+    from async_flowgrpo.modes import run
+
+    model = make_tiny_qwen_image_edit_dir(str(tmp_path / "plus"), plus=True, vocab=VOCAB)
+    prompts = _prompt_file(str(tmp_path), 2)
+    out = str(tmp_path / "out")
+    cfg = small_config("fully_async", model, prompts, out, "model.family=qwen_image_edit_plus", "trainer.total_steps=2",
+                       "rollout.num_steps=3", "rollout.guidance_scale=2.0", "algorithm.beta=0",
+                       "reward.weights={jpeg_incompressibility: 1.0}", "reward.options={}")
+    assert cfg.sync.verify  # each publication: the rollout actors' weight digest must equal the trainer's
+    run(cfg)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["sync/bytes"] > 0 for r in rows)
+    assert all(math.isfinite(r["loss/policy"]) and r["train/skipped_nonfinite"] == 0 for r in rows)
+    assert rows[0]["logp/max_abs_diff"] < 1e-4
+    assert rows[-1]["samples/consumed"] == 2 * 4
