@@ -21,6 +21,7 @@ from async_flowgrpo import stop
 from async_flowgrpo import algorithms
 from async_flowgrpo.algo import LR_SCHEDULES
 from async_flowgrpo.algorithms.awm import AWMSettings
+from async_flowgrpo.algorithms.dgpo import DGPOSettings
 from async_flowgrpo.algorithms.diffusion_nft import DiffusionNFTSettings
 from async_flowgrpo.algorithms.flow_grpo import FlowGRPOSettings
 from async_flowgrpo.models import FAMILIES, IMAGE_FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
@@ -147,7 +148,7 @@ class TrainerConfig:
 
 @dataclass
 class AlgorithmConfig:
-    # flow_grpo | diffusion_nft | awm (async_flowgrpo/algorithms/, one module each); a name other than
+    # flow_grpo | diffusion_nft | awm | dgpo (async_flowgrpo/algorithms/, one module each); a name other than
     # flow_grpo also merges config/<name>.yaml
     name: str = "flow_grpo"
     max_staleness: int = 1  # eta: admission control bound (0 = sync)
@@ -161,6 +162,7 @@ class AlgorithmConfig:
     flow_grpo: FlowGRPOSettings = field(default_factory=FlowGRPOSettings)
     diffusion_nft: DiffusionNFTSettings = field(default_factory=DiffusionNFTSettings)
     awm: AWMSettings = field(default_factory=AWMSettings)
+    dgpo: DGPOSettings = field(default_factory=DGPOSettings)
 
 
 # algorithm.* keys from before each algorithm had its own section: still accepted, as the new key

@@ -14,9 +14,9 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from async_flowgrpo.algorithms import awm, diffusion_nft, flow_grpo
+from async_flowgrpo.algorithms import awm, dgpo, diffusion_nft, flow_grpo
 
-ALGORITHMS: dict[str, ModuleType] = {m.NAME: m for m in (flow_grpo, diffusion_nft, awm)}
+ALGORITHMS: dict[str, ModuleType] = {m.NAME: m for m in (flow_grpo, diffusion_nft, awm, dgpo)}
 
 
 def settings(algorithm_config: Any):

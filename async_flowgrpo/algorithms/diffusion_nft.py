@@ -149,11 +149,16 @@ class _Points:
         return self.starts[-1]
 
 
-def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any) -> _Points:
+def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any, *, per_group: bool = False,
+                  shared_noise: bool = False) -> _Points:
     """Each ODE group's final latents, each noised at the levels of its sampler's schedule that
-    `levels(num_steps)` picks (indices; called once per sample), fresh noise each; `r(group)` is
-    the per-sample weight a point carries (NFT's optimality, AWM's advantage). Shared by the
-    likelihood-free algorithms (DiffusionNFT, AWM)."""
+    `levels(num_steps)` picks (indices; called once per sample, or once per group with `per_group`,
+    its samples then in the same level order), fresh noise each (one draw per group and level,
+    shared by its samples, with `shared_noise`); `r(group)` is the per-sample weight a point carries
+    (NFT's optimality, AWM's and DGPO's advantage). Shared by the likelihood-free algorithms
+    (DiffusionNFT, AWM, DGPO: a group's samples compared at the same points)."""
+    if shared_noise and not per_group:
+        raise ValueError("shared_noise needs per_group: a shared noise draw is per level")
     parts: dict[str, list[Tensor]] = {k: [] for k in ("x0", "x_t", "sigma", "r", "version", "group")}
     starts = [0]
     for gi, g in enumerate(groups):
@@ -165,11 +170,13 @@ def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any) -> _Poi
         steps = g.params.num_steps
         sigmas = policy.sigmas(steps, height=g.params.height, width=g.params.width)[:steps].float()
         weight = r(g)
+        group_s = sigmas[levels(steps)] if per_group else None
+        group_eps = torch.randn(len(group_s), *g.latents.shape[2:]) if shared_noise else None
         for k in range(g.size):
             x0 = g.latents[k, -1].float()
-            s = sigmas[levels(steps)]
+            s = group_s if per_group else sigmas[levels(steps)]
             n = len(s)
-            eps = torch.stack([torch.randn_like(x0) for _ in range(n)])
+            eps = group_eps if shared_noise else torch.stack([torch.randn_like(x0) for _ in range(n)])
             s_col = s.reshape(-1, *[1] * x0.ndim)
             parts["x0"].append(x0.expand(n, *x0.shape))
             parts["x_t"].append((1 - s_col) * x0 + s_col * eps)
