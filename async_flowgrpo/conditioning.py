@@ -68,9 +68,12 @@ def with_sources(prompt) -> dict:
 def side_by_side(results: torch.Tensor, sources: list[list[torch.Tensor]], captions: list[str],
                  pairs_per_row: int = 4) -> dict:
     """An edit's grid tiles: each prompt's input image(s), then its result, the instruction under the
-    first input; {"images", "captions", "nrow"} for `RunLogger.log_images` (nrow keeps pairs on one row)."""
+    first input; {"images", "captions", "nrow"} for `RunLogger.log_images` (nrow keeps pairs on one row).
+    A video result [F, H, W, 3] (image to video) has its source as a still beside it, every frame."""
     tiles, tile_captions = [], []
     for result, inputs, caption in zip(results, sources, captions):
+        if result.ndim == 4:
+            inputs = [img.expand(result.shape[0], *img.shape) for img in inputs]
         tiles += [*inputs, result]
         tile_captions += [caption] + [""] * (len(inputs) - 1) + ["-> result"]
     return {"images": torch.stack(tiles), "captions": tile_captions, "nrow": (len(sources[0]) + 1) * pairs_per_row}

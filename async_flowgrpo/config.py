@@ -24,7 +24,8 @@ from async_flowgrpo.algorithms.awm import AWMSettings
 from async_flowgrpo.algorithms.dgpo import DGPOSettings
 from async_flowgrpo.algorithms.diffusion_nft import DiffusionNFTSettings
 from async_flowgrpo.algorithms.flow_grpo import FlowGRPOSettings
-from async_flowgrpo.models import FAMILIES, IMAGE_FAMILIES, VIDEO_FAMILIES, model_experts, transformer_heads, video_frames
+from async_flowgrpo.models import (FAMILIES, IMAGE_FAMILIES, VIDEO_FAMILIES, image_inputs, model_experts, transformer_heads,
+                                   video_frames)
 from async_flowgrpo.models.common import read_model_settings
 from async_flowgrpo.prompts import load_prompts
 from async_flowgrpo.rewards import FRAMES_PREFIX, available_rewards, check_options, takes_video
@@ -571,12 +572,20 @@ def validate(c: Config) -> None:
                 check_count(len(loaded[key][0].images))
         except (FileNotFoundError, ValueError) as err:
             raise ConfigError(f"{key}: {err}") from None
-        edits = c.model.family in IMAGE_FAMILIES
-        _require(bool(loaded[key][0].images) == edits, key,
+        takes = image_inputs(model_dir, c.model.family)  # "required", "optional" (Wan2.2 TI2V-5B) or "none"
+        has = bool(loaded[key][0].images)
+        _require(has or takes != "required", key,
                  f"model.family {c.model.family} edits images: use a JSONL prompt file whose rows carry \"images\""
-                 if edits else f"its rows carry \"images\", but model.family {c.model.family} takes none "
-                 f"(image-conditioned families: {', '.join(IMAGE_FAMILIES)})")
-        _require(not edits or r.engine == "diffusers", "rollout.engine", "input images need the diffusers engine")
+                 if c.model.family in IMAGE_FAMILIES else "the model makes videos from images (Wan image-to-video): "
+                 "use a JSONL prompt file whose rows carry \"images\" (the first frame)")
+        _require(not has or takes != "none", key,
+                 f"its rows carry \"images\", but model.family {c.model.family} takes none, as {model_dir} holds it "
+                 f"(image-conditioned: families {', '.join(IMAGE_FAMILIES)}, and wan with Wan2.2 I2V or TI2V models)")
+        _require(not has or r.engine == "diffusers", "rollout.engine", "input images need the diffusers engine")
+        # their losses on noised final latents would cover the held first frame too
+        _require(not (has and takes == "optional" and key == "rollout.prompts") or c.algorithm.name == "flow_grpo",
+                 "algorithm.name",
+                 f"{c.algorithm.name} with a first frame (Wan2.2 TI2V-5B image to video) is not served yet; use flow_grpo")
     if r.prompt_mix is not None:
         _require(bool(r.prompt_mix) and all(w >= 0 for w in r.prompt_mix.values()) and sum(r.prompt_mix.values()) > 0,
                  "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")

@@ -34,6 +34,19 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
+def step_unheld(step: Callable, held: int, v: Tensor, x: Tensor, *args, **kwargs):
+    """`step` (algo.sde_step or algo.ode_step) on the latents after their first `held` frames
+    (dim 2), which it returns unchanged in front (a conditioning's fixed frames: Wan2.2 TI2V-5B's
+    first frame). sde_step's log-prob and mean then cover the sampled frames only."""
+    if not held:
+        return step(v, x, *args, **kwargs)
+    kwargs = {k: t[:, :, held:] if k in ("noise", "prev_sample") and t is not None else t for k, t in kwargs.items()}
+    out = step(v[:, :, held:], x[:, :, held:], *args, **kwargs)
+    if isinstance(out, Tensor):
+        return torch.cat([x[:, :, :held], out], 2)
+    return (torch.cat([x[:, :, :held], out[0]], 2), *out[1:])
+
+
 def _own(t: Tensor) -> Tensor:
     """A CPU tensor with its own storage: on CPU, `t[g].cpu()` would be a view of the whole
     batch, and pickling a view (Ray's object store) ships the whole storage with every group."""
@@ -289,7 +302,8 @@ class DiffusionPolicy:
             x = torch.randn((len(prompts), *latent_shape), generator=gen).repeat_interleave(group_size, 0)
         else:
             x = torch.randn((len(prompts) * group_size, *latent_shape), generator=gen)
-        x = x.to(self.device)
+        held = self.adapter.held_frames(enc.pooled)  # frames the conditioning fixes (an image-to-video first frame)
+        x = self.adapter.hold(x.to(self.device), per_sample[1])
 
         # the window's latents and log-probs stay on the device until the loop ends: a .cpu() per
         # step would synchronise an accelerator every step (each step's tensors are new ones, so
@@ -304,14 +318,15 @@ class DiffusionPolicy:
                     if i == start:
                         recorded.append(x)
                     eps = torch.randn(x.shape, generator=gen).to(self.device)
-                    x, log_prob, _, _ = algo.sde_step(
-                        v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level, sde_type=sde_type, noise=eps
+                    x, log_prob, _, _ = step_unheld(
+                        algo.sde_step, held, v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level,
+                        sde_type=sde_type, noise=eps,
                     )
                     recorded.append(x)
                     log_probs.append(log_prob)
                     versions.append(version)
                 else:
-                    x = algo.ode_step(v, x, sigmas[i], sigmas[i + 1])
+                    x = step_unheld(algo.ode_step, held, v, x, sigmas[i], sigmas[i + 1])
         images = self.adapter.decode(x)
 
         n = group_size
@@ -362,13 +377,20 @@ class DiffusionPolicy:
 
     def _encode(self, prompts: list[str], metadata: list[dict], cfg: bool):
         """The prompts' conditioning; an edit model's also encodes each prompt's input images
-        (metadata[SOURCE_IMAGES]), once for the group, into it (see FluxKontextAdapter)."""
+        (metadata[SOURCE_IMAGES]), once for the group, into it (see FluxKontextAdapter); a model
+        that may take them (Wan2.2 TI2V-5B's first frame) does when every prompt has them."""
         images = [m.get(SOURCE_IMAGES) for m in metadata]
+        given = [i is not None for i in images]
+        if self.adapter.image_optional and any(given):
+            if not all(given):
+                raise ValueError(f"this {self.adapter.family} model takes input images for all prompts of a batch or "
+                                 "for none; some prompts carry them, some not")
+            return self.adapter.encode_prompts(prompts, cfg=cfg, images=images)
         if not self.adapter.image_conditioned:
-            if any(i is not None for i in images):
+            if any(given):
                 raise ValueError(f"this {self.adapter.family} model takes no input images; the prompts carry some")
             return self.adapter.encode_prompts(prompts, cfg=cfg)
-        if any(i is None for i in images):
+        if not all(given):
             raise ValueError(f"this {self.adapter.family} model edits images: every prompt needs its input "
                              "image(s) (a JSONL prompt file's \"images\")")
         return self.adapter.encode_prompts(prompts, cfg=cfg, images=images)
@@ -419,16 +441,24 @@ class DiffusionPolicy:
         transformer: (log_prob [B], mean, std, ref_mean or None). sigma, sigma_next: [B] (each
         sample's own step); embeddings [B, ...]. ref_mean is the reference policy's mean (LoRA
         adapters off, or the frozen copy), without gradient. uncond_grad=False differentiates only
-        the conditional half of a guided velocity (same forward, see models.combine_guidance)."""
+        the conditional half of a guided velocity (same forward, see models.combine_guidance).
+        Frames the conditioning holds (adapter.held_frames) are not scored: the log-prob and the
+        means cover the sampled frames only."""
         x = latents_j.to(self.device, torch.float32)
         x_next = latents_next.to(self.device, torch.float32)
         cond = (prompt_embeds, pooled, neg_embeds, neg_pooled)
+        held = self.adapter.held_frames(pooled)
         step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next)
         v = self._velocity(x, sigma, *cond, guidance_scale=guidance_scale, uncond_grad=uncond_grad)
-        _, log_prob, mean, std = algo.sde_step(v, x, sigma, sigma_next, **step)
+        _, log_prob, mean, std = step_unheld(algo.sde_step, held, v, x, sigma, sigma_next, **step)
         ref_mean = None
         if with_ref:
             with torch.no_grad(), self._reference_transformer() as ref:
                 v_ref = self._velocity(x, sigma, *cond, guidance_scale=guidance_scale, transformer=ref)
-                ref_mean = algo.sde_step(v_ref, x, sigma, sigma_next, **step)[2]
+                ref_mean = step_unheld(algo.sde_step, held, v_ref, x, sigma, sigma_next, **step)[2]
         return log_prob, mean, std, ref_mean
+
+    def sampled_elements(self, latent: Tensor, pooled: Tensor) -> int:
+        """Entries of one sample's latent [C, F, ...] that are sampled (the log-prob's mean runs over
+        them): all but the frames its conditioning `pooled` holds."""
+        return latent[:, self.adapter.held_frames(pooled):].numel()

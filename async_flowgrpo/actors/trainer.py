@@ -39,6 +39,7 @@ import torch.distributed as dist
 from async_flowgrpo import seqpar
 from async_flowgrpo.actors import quiet_actor_output
 from async_flowgrpo.builders import build_learner, set_cpu_threads
+from async_flowgrpo.conditioning import SOURCE_IMAGES, side_by_side
 from async_flowgrpo.config import Config
 from async_flowgrpo.ema import WeightAverage
 from async_flowgrpo.gpu_monitor import GpuMonitor
@@ -75,7 +76,8 @@ class TrainerActor:
         self.sender = transport.sender() if rank == 0 else None
         self.gpu = GpuMonitor().start()  # perf/gpu_util on NVIDIA GPUs; nothing elsewhere
         self.busy = BusyTracker()  # perf/trainer_idle_frac
-        self.samples: tuple[torch.Tensor, list[str]] | None = None  # the last batch's first images, on rank 0
+        # the last batch's first images and captions (and the grid's nrow, sources beside results), on rank 0
+        self.samples: tuple | None = None
         self.stopping = threading.Event()  # the run is stopping: evaluations are abandoned (set on "control")
         self.staged: tuple[int, dict] | None = None  # (version, state_dict()) of the last completed update
         self.staged_is_current = False  # no update has touched the weights since the staged copy
@@ -103,7 +105,13 @@ class TrainerActor:
             time.sleep(max(0.0, self.cfg.trainer.min_step_time_s - (time.perf_counter() - start)))  # a paced trainer
             self._stage(version + 1)  # (after the pacing, which stands for a long update)
         if self.rank == 0 and groups:
-            self.samples = (torch.cat([g.images for g in groups])[:32], [g.prompt for g in groups for _ in range(g.size)][:32])
+            images, prompts = torch.cat([g.images for g in groups]), [g.prompt for g in groups for _ in range(g.size)]
+            sources = [g.metadata.get(SOURCE_IMAGES) for g in groups for _ in range(g.size)]
+            if sources[0] is None:
+                self.samples = (images[:32], prompts[:32])
+            else:  # an edit or image-to-video: each input beside its result
+                grid = side_by_side(images[:16], sources[:16], prompts[:16])
+                self.samples = (grid["images"], grid["captions"], grid["nrow"])
         return {**metrics, "perf/trainer_fetch_s": fetch_s, "samples/lost": lost, **self.gpu.read()}
 
     def _fetch(self, shard: list[tuple[list, torch.Tensor]]) -> tuple[list, int]:
@@ -144,8 +152,9 @@ class TrainerActor:
         return kept, lost
 
     @ray.method(concurrency_group="control")
-    def sample_images(self) -> tuple[torch.Tensor, list[str]] | None:
-        """Rank 0: the first images of the last trained batch and their prompts (run outputs)."""
+    def sample_images(self) -> tuple | None:
+        """Rank 0: the first images of the last trained batch and their prompts (run outputs):
+        the arguments of RunLogger.log_images after its step and name."""
         return self.samples
 
     @ray.method(concurrency_group="control")

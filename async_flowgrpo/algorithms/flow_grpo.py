@@ -369,20 +369,21 @@ class FlowGRPOLearner(Learner):
         sampling = self._sampling(groups)
         minis = self._minis(len(rows.starts) - 1)
         dev = self.policy.device
-        elements = rows.x[0].numel()  # D: the recorded log-probs are means over a latent's entries
+        # D: the recorded log-probs are means over a latent's sampled entries (not a held first frame)
+        elements = self.policy.sampled_elements(rows.x[0], rows.cond[1][0])
         is_kw = dict(correction=self.is_correction, elements=elements)
 
         # log-probs (and, for RatioNorm, step means) under the weights at the start of the update, per row
         start_logp = start_mean = None
         if self.prox_mode == "recompute" and self.mini_batches > 1:
             start_logp = torch.empty(len(rows), device=dev)
-            if self.ratio_norm:
-                start_mean = torch.empty(rows.x.shape, device=dev)
             with torch.no_grad():
                 for sel in self._calls(0, len(rows)):
                     log_prob, _, mean, _ = self._forward(rows, sel, sampling, with_ref=False)
                     start_logp[sel] = log_prob
-                    if start_mean is not None:
+                    if self.ratio_norm:  # (the means of the sampled entries: a held frame has none)
+                        if start_mean is None:
+                            start_mean = torch.empty((len(rows), *mean.shape[1:]), device=dev)
                         start_mean[sel] = mean
 
         ratios, weights, log_ws, fresh_diffs, guard = [], [], [], [], []

@@ -20,8 +20,9 @@ _FAMILIES = {
     "FluxKontextPipeline": ("flux_kontext", "async_flowgrpo.models.flux_kontext", "FluxKontextAdapter"),
     "QwenImageEditPipeline": ("qwen_image_edit", "async_flowgrpo.models.qwen_image_edit", "QwenImageEditAdapter"),
     "QwenImageEditPlusPipeline": ("qwen_image_edit_plus", "async_flowgrpo.models.qwen_image_edit", "QwenImageEditPlusAdapter"),
+    "WanImageToVideoPipeline": ("wan", "async_flowgrpo.models.wan", "WanImageToVideoAdapter"),
 }
-FAMILIES = tuple(family for family, _, _ in _FAMILIES.values())  # the choices of model.family
+FAMILIES = tuple(dict.fromkeys(family for family, _, _ in _FAMILIES.values()))  # the choices of model.family
 VIDEO_FAMILIES = ("wan",)  # families whose samples are videos [n, F, H, W, 3], not images
 # families whose prompts carry input images (edit models)
 IMAGE_FAMILIES = ("flux_kontext", "qwen_image_edit", "qwen_image_edit_plus")
@@ -91,15 +92,17 @@ def video_frames(path: str, num_frames: int = 0) -> tuple[int, int]:
     """(frames per video, the VAE's temporal factor) of the Wan-style video model at `path`, read
     from its JSON files without loading it (config validation): `num_frames`, else the model's own
     (async_flowgrpo.json), else WanPipeline's default."""
-    def read(*parts: str) -> dict:
-        file = os.path.join(path, *parts)
-        if not os.path.isfile(file):
-            return {}
-        with open(file) as f:
-            return json.load(f)
+    frames = num_frames or _read_json(path, "async_flowgrpo.json").get("num_frames", WAN_NUM_FRAMES)
+    return frames, _read_json(path, "vae", "config.json").get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
 
-    frames = num_frames or read("async_flowgrpo.json").get("num_frames", WAN_NUM_FRAMES)
-    return frames, read("vae", "config.json").get("scale_factor_temporal", WAN_TEMPORAL_FACTOR)
+
+def _read_json(path: str, *parts: str) -> dict:
+    """The JSON file path/parts..., {} when the model has none."""
+    file = os.path.join(path, *parts)
+    if not os.path.isfile(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
 
 
 def model_experts(path: str) -> tuple[str, ...]:
@@ -113,6 +116,22 @@ def model_experts(path: str) -> tuple[str, ...]:
         index = json.load(f)
     return tuple(name for name in ("transformer", "transformer_2") if (index.get(name) or [None])[0] is not None) \
         or ("transformer",)
+
+
+def image_inputs(path: str, family: str) -> str:
+    """Whether the prompts of the model at `path` carry input images: "required" (an edit model,
+    Wan image-to-video with the condition in the transformer's channels), "optional" (Wan2.2
+    TI2V-5B: a first frame, or text to video) or "none"; read from its JSON files without loading
+    it (config validation)."""
+    if family in IMAGE_FAMILIES:
+        return "required"
+    if family not in VIDEO_FAMILIES:
+        return "none"
+    index, transformer = _read_json(path, "model_index.json"), _read_json(path, "transformer", "config.json")
+    channels = transformer.get("in_channels", 0) != transformer.get("out_channels", 0)
+    if index.get("_class_name") == "WanImageToVideoPipeline" or channels:
+        return "required"
+    return "optional" if index.get("expand_timesteps") else "none"
 
 
 def transformer_heads(path: str) -> int:

@@ -14,7 +14,7 @@ call convention), plus the hooks it needs:
 
 The interface `DiffusionPolicy` uses: load, select_experts, transformer, frozen_modules,
 lora_target_modules, device, dtype, resolution, max_sequence_length, negative_prompt, latent_shape,
-sigmas, encode_prompts, velocity, decode; the trainer's saving uses trained_components and save_lora.
+sigmas, encode_prompts, held_frames, hold, velocity, decode; the trainer's saving uses trained_components and save_lora.
 
 `transformer` is the one module that trains. A model with several denoising transformers (Wan2.2
 A14B's two experts) returns a module holding the trained ones under their pipeline names, so the
@@ -68,6 +68,7 @@ class FamilyAdapter(TransformerPlacement):
     token_multiple = 1
     # prompts carry input images (an edit model): encode_prompts then takes images=[[uint8 [H, W, 3], ...], ...]
     image_conditioned = False
+    image_optional = False  # prompts may carry them or not (Wan2.2 TI2V-5B: a first frame, or text to video)
 
     def __init__(self, pipeline, *, max_sequence_length: int, resolution: int, negative_prompt: str | None = None):
         self.pipeline = pipeline
@@ -171,6 +172,15 @@ class FamilyAdapter(TransformerPlacement):
             return scheduler.sigmas.detach().to(torch.float32).clone()
         h, w = self.latent_shape(height or self.resolution, width or self.resolution)[-2:]
         return flow_sigmas(scheduler, num_steps, (h // 2) * (w // 2))
+
+    def held_frames(self, pooled: Tensor) -> int:
+        """Leading latent frames (dim 2 of a batch) that the conditioning `pooled` holds fixed: never
+        noised, not sampled, left out of the log-prob (Wan2.2 TI2V-5B's first frame). 0: all sampled."""
+        return 0
+
+    def hold(self, x: Tensor, pooled: Tensor) -> Tensor:
+        """Latents x [B, ...] with their `held_frames` set to the conditioning's values."""
+        return x
 
     # ---------------------------------------------------------------- velocity
 

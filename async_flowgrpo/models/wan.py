@@ -31,8 +31,39 @@ Family conventions, as the pipeline applies them:
   load_into_transformer_2=True)`.
 - Wan2.2 TI2V-5B (`expand_timesteps`): one timestep per latent token, [B, F (h/2) (w/2)], as the
   pipeline passes it (all equal in text-to-video), over the Wan2.2 VAE (48 channels, 16x spatial
-  compression, its own latents_mean / latents_std). Image-to-video (a first frame held at
-  timestep 0) is not served.
+  compression, its own latents_mean / latents_std).
+
+Image to video, as diffusers 0.42's WanImageToVideoPipeline does it (pipelines/wan/pipeline_wan_i2v.py):
+- The prompt's image (its JSONL "images": one path, the output's size) is VAE-encoded once per
+  group with the posterior's mode and the per-channel normalisation, as `prepare_latents` does:
+  `latent_condition = retrieve_latents(self.vae.encode(video_condition), sample_mode="argmax")`,
+  then `latent_condition = (latent_condition - latents_mean) * latents_std` (latents_std there is
+  1 / the VAE's). The latent travels in the group's conditioning as the `pooled` slot (empty in
+  text-to-video), flattened, for the CFG batch's two halves alike (the pipeline feeds both the same
+  `latent_model_input`): the trainer's replay gathers it with the prompt's embeddings and sees bit
+  for bit what the rollout saw.
+- TI2V-5B (`expand_timesteps`), the first frame: `prepare_latents` encodes the image alone
+  (`if self.config.expand_timesteps: video_condition = image`) and masks the first latent frame
+  (`first_frame_mask[:, :, 0] = 0`); `__call__` feeds the transformer `latent_model_input = (1 -
+  first_frame_mask) * condition + first_frame_mask * latents` at per-token timesteps `temp_ts =
+  (first_frame_mask[0][0][:, ::2, ::2] * t).flatten()` (timestep 0 on the first frame's tokens),
+  and after the loop puts the image back: `latents = (1 - first_frame_mask) * condition +
+  first_frame_mask * latents`. Here the first latent frame is the image's latent from the initial
+  latents on and stays it through every step (`held_frames` = 1): never noised by the SDE, left
+  out of the log-prob (it is not sampled), the model's velocity there unused; the frames after it
+  see the same input at the same timesteps as in the pipeline, so the sampler is the pipeline's.
+  Without an image nothing changes (the T2V path, bit for bit).
+- I2V-A14B (no expand_timesteps, transformer in_channels = 2 x latent channels + the VAE's temporal
+  factor), channel-concatenated: `prepare_latents` encodes the image followed by num_frames - 1
+  black frames (`video_condition = torch.cat([image, image.new_zeros(image.shape[0],
+  image.shape[1], num_frames - 1, height, width)], dim=2)`) and builds a mask that is 1 on the
+  first latent frame's channels (`mask_lat_size[:, :, list(range(1, num_frames))] = 0`, the first
+  frame repeated `self.vae_scale_factor_temporal` times, folded into channels), returning
+  `torch.concat([mask_lat_size, latent_condition], dim=1)`; `__call__` feeds `torch.cat([latents,
+  condition], dim=1)`. Here the mask is rebuilt per call from the latents' shape (it is constant),
+  only the encoded video travels; every latent frame is sampled and scored, as in text-to-video.
+  The two experts switch as in T2V-A14B. Its checkpoints are WanImageToVideoPipelines (no image
+  encoder in Wan2.2); a prompt without an image is an error there.
 """
 
 from __future__ import annotations
@@ -116,6 +147,8 @@ class WanAdapter(FamilyAdapter):
     boundary: float | None = None  # timestep where transformer_2 takes over (two experts)
     guidance_scale_2: float | None = None  # transformer_2's CFG scale; None: the call's
     expand_timesteps = False  # TI2V: a timestep per latent token
+    condition_channels = 0  # I2V-A14B: channels of the image condition (mask + latent) joined to the latents
+    _prompt_encoder = None  # a pipeline whose encode_prompt to use instead of the model's own
 
     def _configure(self, settings: dict) -> None:
         pipe = self.pipeline
@@ -127,6 +160,18 @@ class WanAdapter(FamilyAdapter):
                                  "WanPipeline would never run transformer_2")
             self.experts = EXPERTS
         self.expand_timesteps = bool(pipe.config.expand_timesteps)
+        config = pipe.transformer.config
+        self.condition_channels = config.in_channels - config.out_channels
+        if config.image_dim is not None:
+            raise ValueError("model.path holds Wan2.1 image-to-video (a CLIP image encoder, image_dim "
+                             f"{config.image_dim}): not served; Wan2.2 I2V-A14B and TI2V-5B are")
+        # I2V-A14B cannot sample without its image; TI2V-5B holds a first frame when a prompt has one
+        self.image_conditioned = self.image_conditioned or bool(self.condition_channels)
+        self.image_optional = self.expand_timesteps and not self.image_conditioned
+        if self.condition_channels and self.condition_channels != config.out_channels + pipe.vae_scale_factor_temporal:
+            raise ValueError(f"model.path: a Wan transformer with in_channels {config.in_channels} and out_channels "
+                             f"{config.out_channels}: image-to-video expects in_channels = 2 x out_channels + the "
+                             f"VAE's temporal factor {pipe.vae_scale_factor_temporal}")
         self.num_frames = settings.get("num_frames", self.default_num_frames)
         k = pipe.vae_scale_factor_temporal
         if (self.num_frames - 1) % k:
@@ -226,28 +271,90 @@ class WanAdapter(FamilyAdapter):
         return (self.num_frames - 1) // self.pipeline.vae_scale_factor_temporal + 1
 
     def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
-        """[C, F, h, w]: the image layout with the latent frame axis after the channels."""
-        c, h, w = super().latent_shape(height, width)
-        return c, self.latent_frames, h, w
+        """[C, F, h, w]: the image layout with the latent frame axis after the channels; C the
+        transformer's output channels (I2V-A14B takes the image condition's channels beside them)."""
+        _, h, w = super().latent_shape(height, width)
+        return self.transformer.config.out_channels, self.latent_frames, h, w
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], *, cfg: bool) -> PromptEmbeds:
-        """UMT5 sequence [B, max_sequence_length, D]; `pooled` is empty [B, 0] (see the module docstring)."""
-        embeds, neg = self.pipeline.encode_prompt(
+    def encode_prompts(self, prompts: list[str], *, cfg: bool, images: list[list[Tensor]] | None = None) -> PromptEmbeds:
+        """UMT5 sequence [B, max_sequence_length, D]; `pooled` is empty [B, 0], or with `images` (one
+        uint8 [H, W, 3] first frame per prompt) the image condition's latent, flattened (see the
+        module docstring)."""
+        embeds, neg = (self._prompt_encoder or self.pipeline).encode_prompt(
             prompt=prompts,
             negative_prompt=self.negative_prompt if cfg else None,
             do_classifier_free_guidance=cfg,
             max_sequence_length=self.max_sequence_length,
             device=self.device,
         )
-        empty = embeds.new_zeros(len(prompts), 0)
-        return PromptEmbeds(embeds, empty, neg, empty.clone() if cfg else None)
+        pooled = embeds.new_zeros(len(prompts), 0) if images is None else self.encode_images(images).flatten(1)
+        return PromptEmbeds(embeds, pooled, neg, pooled.clone() if cfg else None)
+
+    @torch.no_grad()
+    def encode_images(self, images: list[list[Tensor]]) -> Tensor:
+        """Per prompt its first frame (uint8 [H, W, 3]) -> the normalised latent of the image
+        (TI2V-5B: [B, C, 1, h, w]) or of the image followed by black frames (I2V-A14B: [B, C, F, h,
+        w]), float32, as WanImageToVideoPipeline.prepare_latents encodes it."""
+        if any(len(imgs) != 1 for imgs in images):
+            raise ValueError(f"{self.family} image-to-video takes one image per prompt (its first frame), got "
+                             f"{sorted({len(imgs) for imgs in images})}")
+        vae = self.pipeline.vae
+        x = torch.stack([imgs[0] for imgs in images]).movedim(-1, 1)[:, :, None]  # [B, 3, 1, H, W]
+        x = x.to(self.device, torch.float32) / 255 * 2 - 1  # VideoProcessor.preprocess's [-1, 1]
+        if not self.expand_timesteps:
+            x = torch.cat([x, x.new_zeros(x.shape[0], 3, self.num_frames - 1, *x.shape[-2:])], 2)
+        z = vae.encode(x.to(vae.dtype)).latent_dist.mode().float()
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(z)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(z)
+        return (z - mean) * inv_std
+
+    def held_frames(self, pooled: Tensor) -> int:
+        return 1 if self.expand_timesteps and pooled.shape[-1] else 0
+
+    def hold(self, x: Tensor, pooled: Tensor) -> Tensor:
+        if not self.held_frames(pooled):
+            return x
+        return torch.cat([self._condition(pooled, x.shape, 1).to(x), x[:, :, 1:]], 2)
+
+    def _condition(self, pooled: Tensor, shape: torch.Size, frames: int) -> Tensor:
+        """The flattened image condition [B, ...] as [B, C, frames, h, w] for latents of `shape` [., C, F, h, w]."""
+        b, (c, _, h, w) = pooled.shape[0], shape[-4:]
+        if pooled.shape[-1] != c * frames * h * w:
+            raise ValueError(f"the prompt's image condition holds {pooled.shape[-1]} values, latents of {tuple(shape)} "
+                             f"need {c * frames * h * w}: the image must have the sampled height and width")
+        return pooled.to(self.device).view(b, c, frames, h, w)
 
     def _forward(self, transformer, x, t, embeds, pooled, *, shape, guidance_scale):
+        f, h, w = shape[-3:]
         if self.expand_timesteps:  # as WanPipeline: the latent grid subsampled 1 x 2 x 2 (the patch), flattened
-            f, h, w = shape[-3:]
             t = t[:, None].expand(-1, f * ((h + 1) // 2) * ((w + 1) // 2))
+            if self.held_frames(pooled):  # the first frame: the image's latent at timestep 0
+                x = self.hold(x, pooled)
+                t = torch.cat([torch.zeros_like(t[:, : t.shape[1] // f]), t[:, t.shape[1] // f :]], 1)
+        elif self.condition_channels:  # [latents | mask (1 on the first latent frame) | condition latent]
+            mask = x.new_zeros(x.shape[0], self.condition_channels - x.shape[1], f, h, w)
+            mask[:, :, 0] = 1
+            x = torch.cat([x, mask, self._condition(pooled, shape, f).to(x.dtype)], 1)
         return transformer(hidden_states=x, timestep=t, encoder_hidden_states=embeds, return_dict=False)[0]
 
     def _latents_for_vae(self, z):
         return denormalize_latents(self.pipeline.vae, z)
+
+
+class WanImageToVideoAdapter(WanAdapter):
+    """Wan2.2 I2V-A14B checkpoints (WanImageToVideoPipeline; see the module docstring)."""
+
+    pipeline_class = "WanImageToVideoPipeline"
+    image_conditioned = True
+
+    def _configure(self, settings: dict) -> None:
+        super()._configure(settings)
+        from diffusers import WanPipeline
+
+        # diffusers 0.42's pipeline_wan_i2v.basic_clean calls `ftfy.fix_text(text)` unguarded, where
+        # pipeline_wan.basic_clean checks `if is_ftfy_available():` first (ftfy is no dependency of
+        # ours): the prompts go through WanPipeline's encode_prompt, the same code over the same modules
+        pipe = self.pipeline
+        self._prompt_encoder = WanPipeline(tokenizer=pipe.tokenizer, text_encoder=pipe.text_encoder, vae=pipe.vae,
+                                           scheduler=pipe.scheduler)
