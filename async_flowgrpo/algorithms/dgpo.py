@@ -65,8 +65,9 @@ built on `compressibility()`):
 Flow-Factory's port (X-GenGroup/Flow-Factory, src/flow_factory/trainers/dgpo.py,
 DGPOTrainer._compute_group_dgpo_loss) computes the same `group_weights =
 torch.sigmoid(global_sums)[local_group_indices].detach()` and `(group_weights * advantages *
-dsm_loss).mean()`; its _make_shared_noise keeps one noise per group across the levels, where the
-original draws one per level (followed here).
+dsm_loss).mean()`; its _make_shared_noise keeps one noise per group for all levels ("The noise is
+**timestep-invariant** — all training timesteps within an epoch share the same per-group noise"),
+where the original draws one per level (followed here).
 
 Where our structure differs: the group sum S needs every sample of the group before any backward,
 and a transformer call holds `micro_batch_size` points, not whole groups; so the errors e entering S
