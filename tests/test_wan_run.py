@@ -1,19 +1,22 @@
 """The Wan video family end to end on Ray: sync, one_step_off and fully_async on the tiny Wan twins
-(5 frames of 32 x 32: Wan2.1, Wan2.2 A14B's two experts, Wan2.2 TI2V-5B's per-token timesteps) with
-a video reward, every weight publication digest-verified, and sync and fully_async runs resumed from
+(5 frames of 32 x 32: Wan2.1, Wan2.2 A14B's two experts, Wan2.2 TI2V-5B's per-token timesteps,
+Wan2.2 I2V-A14B's image to video from a prompt file of first frames) with a video reward, every weight publication digest-verified, and sync and fully_async runs resumed from
 their checkpoints with exact step and sample counts. The A14B twin samples 4 steps, so that the
 trained window spans both experts; its checkpoints and saved LoRAs hold both.
 
 The runs go one after another in one test: starting the actors (imports, model load) is most of
 their cost, and the resume needs the first fully_async run anyway. The Wan2.2 twins differ from
-Wan2.1 in the model only (two experts; per-token timesteps), not in what a mode does with it, so
-they run fully_async alone: the mode that publishes weights mid-generation and checkpoints queued
+Wan2.1 in the model only (two experts; per-token timesteps; an image condition), not in what a mode
+does with it, so they run fully_async alone: the mode that publishes weights mid-generation and checkpoints queued
 trajectories.
 """
 
+import json
 import os
 
+import numpy as np
 import pytest
+from PIL import Image
 from test_run import read_metrics, small_config
 
 from async_flowgrpo import checkpoint
@@ -27,14 +30,28 @@ WAN = ("model.family=wan", "reward.weights={temporal_consistency: 1.0}", "reward
 BATCH = 2 * 2  # small_config: groups of 2, 2 groups per step
 
 
-VARIANT_OVERRIDES = {"wan21": (), "wan22_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0"), "wan22_ti2v_5b": ()}
+VARIANT_OVERRIDES = {"wan21": (), "wan22_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0"), "wan22_ti2v_5b": (),
+                     "wan22_i2v_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0")}
+IMAGE_TO_VIDEO = ("wan22_i2v_a14b",)  # its prompts carry their first frames
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANT_OVERRIDES))
 def wan_setup(request, tmp_path_factory):
     model = make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_wan")), request.param)
-    prompts = tmp_path_factory.mktemp("prompts") / "moving.txt"
-    prompts.write_text("a red circle moving left\na blue square moving right\n")
+    folder = tmp_path_factory.mktemp("prompts")
+    texts = ["a red circle moving left", "a blue square moving right"]
+    if request.param not in IMAGE_TO_VIDEO:
+        prompts = folder / "moving.txt"
+        prompts.write_text("\n".join(texts) + "\n")
+        return model, str(prompts), request.param
+    rows = []
+    for k, (text, color) in enumerate(zip(texts, [(220, 30, 30), (35, 70, 225)])):
+        frame = np.full((32, 32, 3), 240, dtype=np.uint8)
+        frame[8:20, 6:18] = color
+        Image.fromarray(frame).save(folder / f"first{k}.png")
+        rows.append({"prompt": text, "images": f"first{k}.png"})
+    prompts = folder / "moving.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return model, str(prompts), request.param
 
 
@@ -90,7 +107,10 @@ def check_fully_async_and_its_resume(wan_setup, tmp_path):
     assert final["step"] == 3
     before, after = saved["learner"]["trainable"], final["learner"]["trainable"]
     assert before.keys() == after.keys() and any((after[k] != before[k]).any() for k in before)  # step 3 updated them
-    if wan_setup[2] == "wan22_a14b":  # both experts' adapters trained, checkpointed and saved
+    if wan_setup[2] in IMAGE_TO_VIDEO:  # the queued groups keep their condition; samples show the first frames
+        assert all(g["pooled_prompt_embeds"].numel() > 0 for g in saved["queue"]["queued_groups"])
+        assert os.path.isfile(os.path.join(out, "samples", "rollout_step00003.gif"))
+    if wan_setup[2] in ("wan22_a14b", "wan22_i2v_a14b"):  # both experts' adapters trained, checkpointed and saved
         assert {k.split(".")[0] for k in after if (after[k] != before[k]).any()} == {"transformer", "transformer_2"}
         weights = os.path.join(out, "checkpoints", "step_000003", "weights")
         assert os.path.isfile(os.path.join(weights, "transformer_2", "pytorch_lora_weights.safetensors"))
