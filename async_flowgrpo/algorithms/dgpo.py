@@ -73,7 +73,9 @@ Where our structure differs: the group sum S needs every sample of the group bef
 and a transformer call holds `micro_batch_size` points, not whole groups; so the errors e entering S
 come from a no-grad pass under the weights at the start of the update (one more forward per point).
 With trainer.mini_batches 1 (one optimizer step per batch, as the public epoch) they are the
-public's values; with more, later mini-batches weigh by the start-of-update weights.
+public's values; with more, later mini-batches weigh by the start-of-update weights. A data-parallel
+trainer holds whole groups (driver/batch.py deals groups round-robin), so S needs no all-reduce, where
+the public code splits a group across ranks and all-reduces its sums.
 
 Stale samples (fully_async). Three parts, none needing the sampler's likelihood: (1) the reference
 is the frozen base, the same for every version; (2) the group weight sigmoid(S) is computed with the
