@@ -290,3 +290,18 @@ def test_a_video_grid_shows_the_source_frame_beside_each_result(rolled):
     assert grid["images"].shape == (4, FRAMES, SIZE, SIZE, 3) and grid["nrow"] == 8
     assert all(torch.equal(grid["images"][0, f], SOURCES[0]) for f in range(FRAMES))  # a still, every frame
     assert torch.equal(grid["images"][1], videos[0]) and grid["captions"] == [PROMPTS[0], "-> result", PROMPTS[1], "-> result"]
+
+
+def test_diffusion_nft_trains_on_i2v_groups(twins):
+    """I2V-A14B samples every frame, so DiffusionNFT's forward-process loss (on noised final latents)
+    applies as in text to video, with the image condition from the groups' conditioning."""
+    import math
+
+    from async_flowgrpo.algorithms.diffusion_nft import NFTLearner
+
+    policy = DiffusionPolicy(twins["wan22_i2v_a14b"], lora_rank=4, lora_alpha=8, **policy_kw("wan22_i2v_a14b"))
+    groups = rollout(policy, window=0)
+    for g in groups:
+        g.advantages = torch.tensor([1.0, -1.0])
+    metrics = NFTLearner(policy, micro_batch_size=4).train_step(groups, version=0)
+    assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
