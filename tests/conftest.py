@@ -1,6 +1,7 @@
 import importlib.util
 import os
 import sys
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
@@ -26,19 +27,38 @@ def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(str(tmp_path_factory.mktemp("tiny_sd3")))
 
 
+@pytest.fixture(scope="session")
+def _ray_of_this_worker():
+    """Ends the shared Ray of `ray_cluster` when this pytest process (one xdist worker) is done."""
+    yield
+    from async_flowgrpo.driver import cluster
+
+    cluster.shutdown_ray()
+
+
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A 2-CPU local Ray cluster for one test module (the runs' actors take fractional CPUs). It
-    inherits this process's environment (HF_HUB_OFFLINE above): a runtime_env would make Ray start a
-    fresh worker for every actor instead of taking the ones it starts ahead (about 1 s each)."""
+def ray_cluster(_ray_of_this_worker):
+    """A 2-CPU local Ray cluster (the runs' actors take fractional CPUs), started by the first module
+    that asks for it and kept for the next ones in this pytest process: each start and shutdown costs
+    about 7 s on 2 cores. A module that leaves an actor holding resources gets its cluster ended, so
+    the next module starts a clean one. It inherits this process's environment (HF_HUB_OFFLINE above):
+    a runtime_env would make Ray start a fresh worker for every actor instead of taking the ones it
+    starts ahead (about 1 s each). A test that needs a Ray of its own calls `cluster.shutdown_ray()`
+    first (test_multinode)."""
     import ray
 
     from async_flowgrpo.driver import cluster
 
-    cluster.shutdown_ray()  # nothing left of a Ray an earlier module's run started
-    ray.init(address="local", num_cpus=2, include_dashboard=False)
+    if not ray.is_initialized():
+        cluster.shutdown_ray()  # nothing left of a Ray an earlier module's run started
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
-    cluster.shutdown_ray()
+    deadline = time.monotonic() + 15  # a killed actor's resources come back asynchronously
+    while ray.is_initialized() and ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
+        if time.monotonic() > deadline:
+            cluster.shutdown_ray()
+            break
+        time.sleep(0.2)
 
 
 # The fast tier (`python -m pytest -q -m "not slow"`, under 2 minutes) leaves out what starts Ray,
@@ -51,16 +71,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts Ray or other processes, or trains for long (left out of the fast tier)")
 
 
-# The longest modules, longest first (as measured in the suite on 2 cores, 2026-11-27; the
-# algorithm-mode runs (134 s), the long-update stops (122 s) and the three-reward-service run from
-# their own runs). The suite runs on two workers a module at a time (`-n 2 --dist loadfile
-# --no-loadscope-reorder`), each taking the next module in collection order as it frees up (xdist's
-# own order, by number of tests, left the two-test cluster-signal module to the end, one worker busy
-# alone for minutes). Longest first, both end within a short module of each other.
-LONGEST_MODULES = ("test_run", "test_cluster_signals", "test_multinode", "test_algorithm_modes",
-                   "test_stop_resume_defects", "test_fault_injection", "test_reward_overlap", "test_wan_run",
-                   "test_reward_services_run", "test_seqpar", "test_gpu_bench", "test_defects_trainer", "test_queue",
-                   "test_fully_async")
+# The longest modules, longest first (as measured in the suite on 2 cores, 2026-11-27; modules
+# added since from their own runs). The suite runs on two workers a module at a time (`-n 2 --dist
+# loadfile --no-loadscope-reorder`), each taking the next module in collection order as it frees up
+# (xdist's own order, by number of tests, left the two-test cluster-signal module to the end, one
+# worker busy alone for minutes). Longest first, both end within a short module of each other.
+LONGEST_MODULES = ("test_run", "test_cluster_signals", "test_algorithm_modes", "test_fault_injection", "test_multinode",
+                   "test_reward_overlap", "test_stop_resume_defects", "test_wan_run", "test_seqpar",
+                   "test_qwen_image_edit", "test_reward_services_run", "test_gpu_bench", "test_defects_trainer",
+                   "test_queue", "test_fully_async")
 
 
 def module_name(item) -> str:

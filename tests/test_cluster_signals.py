@@ -309,6 +309,7 @@ def test_a_stop_never_waits_on_long_work(tiny_model_dir, prompt_file, tmp_path):
             run.why("no warning")
         path, state = checkpoint_state(job.out)
         assert state["step"] == state["version"] == j and os.path.basename(path) == f"step_{j:06d}", run.why(path)
+        assert os.listdir(os.path.join(path, "weights")), run.why("no weights in the staged checkpoint")
         assert job.steps[-1] == j, run.why(f"steps {job.steps}")
 
         job.finish_resumed("trainer.min_step_time_s=0")

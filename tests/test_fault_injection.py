@@ -657,7 +657,9 @@ def test_a_run_dir_with_no_usable_checkpoint_is_one_line_exit_2(tiny_model_dir, 
 
     from async_flowgrpo.cli import main
     from async_flowgrpo.config import load_config
+    from async_flowgrpo.driver import cluster
 
+    cluster.shutdown_ray()  # an earlier module's shared Ray (conftest's ray_cluster): this test checks none starts
     out = str(tmp_path / "run")
     cfg = dataclasses.asdict(load_config("sync", small_args(tiny_model_dir, prompt_file, out)))
     ckpt = Checkpointer(os.path.join(out, "checkpoints"))

@@ -20,52 +20,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def head_node():
-    import ray.util
-
-    port, host = free_port(), ray.util.get_node_ip_address()
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    # --block keeps the head in the foreground, so terminating it stops this cluster only.
-    head = subprocess.Popen(
-        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-         "--disable-usage-stats", "--block", f"--temp-dir={temp_dir}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
-    )
-    deadline = time.time() + 120
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            break
-        except OSError:
-            assert head.poll() is None and time.time() < deadline, "ray start --head did not come up"
-            time.sleep(0.5)
-    yield f"{host}:{port}"
-    head.terminate()
-    head.wait(timeout=90)
-    shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def test_launcher_joins_an_existing_cluster(head_node, tiny_model_dir, tmp_path):
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("a red circle\na blue square\n")
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable, os.path.join(REPO, "launch", "one_step_off.py"), f"ray.address={head_node}",
-        f"model.path={tiny_model_dir}", f"rollout.prompts={prompts}", "rollout.prompt_mix=null", "rollout.sde_window_range=null", f"eval.prompts={prompts}",
-        "reward.weights={jpeg_incompressibility: 1.0}", "model.lora_rank=4", "rollout.group_size=2",
-        "rollout.groups_per_step=2", "rollout.num_steps=3", "rollout.sde_window_size=0", "trainer.total_steps=2", "trainer.micro_batch_size=4",
-        "rollout.cpus_per_worker=0.5", "trainer.cpus_per_worker=0.5", "eval.at_start_and_end=false",
-        "trainer.sample_every=0", "logging.progress=false", f"trainer.output_dir={out}",
-    ]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
-    assert [r["version"] for r in rows] == [1, 2]
-
-
 @pytest.mark.parametrize("given_by", ["ray.address", "RAY_ADDRESS"])
 def test_unreachable_cluster_is_a_one_line_error(given_by, tiny_model_dir, tmp_path):
     """RAY_ADDRESS (what `ray job submit` sets) is joined as ray.address is, and named in the error."""
@@ -115,6 +69,9 @@ def two_nodes():
     raylet and object store: objects and weights between them cross a node boundary (TCP)."""
     from ray.cluster_utils import Cluster as RayNodes
 
+    from async_flowgrpo.driver import cluster
+
+    cluster.shutdown_ray()  # the shared Ray of an earlier module (conftest's ray_cluster): this test joins another
     nodes = RayNodes(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"trainer_node": 1},
                                                             "include_dashboard": False})
     rollout_node = nodes.add_node(num_cpus=2, resources={"rollout_node": 2})
@@ -152,10 +109,12 @@ def wait_until_marked_dead(address: str, node_id: str, timeout_s: float = 120) -
 
 
 def test_two_nodes_between_steps_and_mid_generation_then_the_rollout_node_dies_and_the_run_resumes(two_nodes, tiny_model_dir, tmp_path):
-    """Rollout actors on one node, the trainer on the other: weights and groups cross the node
-    boundary, published between steps (one_step_off; sync publishes the same way) and mid-generation
-    (fully_async). The rollout node's raylet is killed mid-run: the run stops with one line naming
-    the last checkpoint, and resumes once a node offering 'rollout_node' is back."""
+    """The launcher joins an existing cluster by ray.address (as after `ray start --head` on one
+    machine and `ray start --address` on the other), rollout actors on one node, the trainer on the
+    other: weights and groups cross the node boundary, published between steps (one_step_off; sync
+    publishes the same way) and mid-generation (fully_async). The rollout node's raylet is killed
+    mid-run: the run stops with one line naming the last checkpoint, and resumes once a node
+    offering 'rollout_node' is back."""
     nodes, rollout_node = two_nodes
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\na blue square\n")

@@ -39,13 +39,6 @@ def make_group(index: int, version: int | list[int] = 0, n: int = 2, worker_id: 
     )
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.fixture
 def actor(ray_cluster):
     """Factory for queue actors that are killed after the test."""

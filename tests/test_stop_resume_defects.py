@@ -159,19 +159,19 @@ LONG_UPDATE_S = 14  # trainer.min_step_time_s: the update in flight at the signa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["fully_async", "one_step_off"])
-def test_a_stop_during_a_long_update_saves_the_step_before_it(tiny_model_dir, prompt_file, tmp_path, mode):
+def test_a_stop_during_a_long_update_saves_the_step_before_it(tiny_model_dir, prompt_file, tmp_path):
     """SIGTERM during update 2, which outlasts the grace period, with no checkpoint written yet:
     step 1 is saved from the trainer's staged state without waiting for the
     update, the line says so, and the same command (trainer.resume=auto) continues from it with
     exact counts. (Before: `stopped at step 1 without a checkpoint (trainer.stop_grace_s=16 ran out
-    before it was written; there is none to resume)`: the run was lost.)"""
+    before it was written; there is none to resume)`: the run was lost.) fully_async's stop during
+    a long update is step 4 of test_cluster_signals.py's chain, with the same checks."""
     from test_fault_injection import Launch, assert_counters, checkpoint_state, last_per_step, unexpected_stderr
     from test_launcher import small_args
 
+    mode = "one_step_off"
     out = str(tmp_path / "run")
-    # no checkpoint before the stop; fully_async prefetches batch 3 during update 2 (it goes back to
-    # the queue, in the checkpoint with update 2's groups), one_step_off generates it (regenerated)
+    # no checkpoint before the stop; one_step_off generates batch 3 during update 2 (regenerated on resume)
     command = small_args(tiny_model_dir, prompt_file, out, "trainer.checkpoint_every=50", "trainer.resume=auto")
     first = Launch(mode, [*command, "trainer.total_steps=40", f"trainer.min_step_time_s={LONG_UPDATE_S}",
                           f"trainer.stop_grace_s={GIVE_UP_GRACE_S}"], out, f"{mode}: SIGTERM during update 2")
@@ -179,7 +179,7 @@ def test_a_stop_during_a_long_update_saves_the_step_before_it(tiny_model_dir, pr
     try:
         assert first.wait_until(lambda: len(first.rows()) >= 1, 300, "step 1"), first.why("ended before step 1")
         assert "trainer.resume=auto: no checkpoint under" in first.stderr, first.why("no word of the fresh start")
-        first.sleep(3.0)  # update 2 is in flight (fully_async started it before logging step 1)
+        first.sleep(3.0)  # update 2 is in flight
         t_signal = time.monotonic()
         os.killpg(first.proc.pid, signal.SIGTERM)
         first.scan(force=True)

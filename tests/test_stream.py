@@ -12,7 +12,7 @@ import ray
 
 from async_flowgrpo.rollout.stream import stream_groups
 from async_flowgrpo.types import GroupRecord
-from test_queue import T, actor, make_group, ray_cluster  # noqa: F401  (actor, ray_cluster: fixtures)
+from test_queue import T, actor, make_group  # noqa: F401  (actor: a fixture)
 
 
 def record_of(ticket: int) -> GroupRecord:

@@ -1,8 +1,9 @@
 """The Wan video family end to end on Ray: sync, one_step_off and fully_async on the tiny Wan twins
-(5 frames of 32 x 32: Wan2.1, Wan2.2 A14B's two experts, Wan2.2 TI2V-5B's per-token timesteps,
-Wan2.2 I2V-A14B's image to video from a prompt file of first frames) with a video reward, every weight publication digest-verified, and sync and fully_async runs resumed from
-their checkpoints with exact step and sample counts. The A14B twin samples 4 steps, so that the
-trained window spans both experts; its checkpoints and saved LoRAs hold both.
+(5 frames of 32 x 32: Wan2.1, Wan2.2 TI2V-5B's per-token timesteps, Wan2.2 I2V-A14B's two experts
+and image to video from a prompt file of first frames) with a video reward, every weight publication
+digest-verified, and sync and fully_async runs resumed from their checkpoints with exact step and
+sample counts. The A14B twin samples 4 steps, so that the trained window spans both experts; its
+checkpoints and saved LoRAs hold both.
 
 The runs go one after another in one test: starting the actors (imports, model load) is most of
 their cost, and the resume needs the first fully_async run anyway. The Wan2.2 twins differ from
@@ -30,8 +31,10 @@ WAN = ("model.family=wan", "reward.weights={temporal_consistency: 1.0}", "reward
 BATCH = 2 * 2  # small_config: groups of 2, 2 groups per step
 
 
-VARIANT_OVERRIDES = {"wan21": (), "wan22_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0"), "wan22_ti2v_5b": (),
-                     "wan22_i2v_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0")}
+# The two-expert T2V-A14B twin is not run here: I2V-A14B is the same two experts with an image
+# condition joined to their input, so its run covers both experts trained, checkpointed and saved
+# through Ray (T2V-A14B's own expert switch and replay: tests/test_wan22.py, in process).
+VARIANT_OVERRIDES = {"wan21": (), "wan22_ti2v_5b": (), "wan22_i2v_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0")}
 IMAGE_TO_VIDEO = ("wan22_i2v_a14b",)  # its prompts carry their first frames
 
 
@@ -110,7 +113,7 @@ def check_fully_async_and_its_resume(wan_setup, tmp_path):
     if wan_setup[2] in IMAGE_TO_VIDEO:  # the queued groups keep their condition; samples show the first frames
         assert all(g["pooled_prompt_embeds"].numel() > 0 for g in saved["queue"]["queued_groups"])
         assert os.path.isfile(os.path.join(out, "samples", "rollout_step00003.gif"))
-    if wan_setup[2] in ("wan22_a14b", "wan22_i2v_a14b"):  # both experts' adapters trained, checkpointed and saved
+    if wan_setup[2] == "wan22_i2v_a14b":  # both experts' adapters trained, checkpointed and saved
         assert {k.split(".")[0] for k in after if (after[k] != before[k]).any()} == {"transformer", "transformer_2"}
         weights = os.path.join(out, "checkpoints", "step_000003", "weights")
         assert os.path.isfile(os.path.join(weights, "transformer_2", "pytorch_lora_weights.safetensors"))

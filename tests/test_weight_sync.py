@@ -232,13 +232,13 @@ class ReceiverActor:
 
 
 @pytest.fixture(scope="module")
-def actors():
+def actors(ray_cluster):
     # Workers cannot import this test module: ship the actor classes (and helpers) by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     pool = {"sender": SenderActor.remote(), "receivers": [ReceiverActor.remote() for _ in range(2)]}
     yield pool
-    ray.shutdown()
+    for actor in (pool["sender"], *pool["receivers"]):
+        ray.kill(actor)
 
 
 def setup(pool, transport, kind, n, seed=0):
