@@ -4,9 +4,15 @@
 No download: each shape's transformer and VAE are built from the public checkpoint's config with
 random weights. `--shape` picks SD3.5-Medium (default), FLUX.1-dev (12 B), Qwen-Image (20 B),
 Wan2.1-T2V-1.3B, Wan2.2-T2V-A14B (two 14 B experts) or Wan2.2-TI2V-5B (the videos: 33 frames at
-480 x 480). Text encoders are stand-ins of one or two layers at the
+480 x 480), and the image-conditioned ones: FLUX.1-Kontext-dev (1024 px), Qwen-Image-Edit and
+Wan2.2-I2V-A14B, each given one source image per prompt, which our rollout receives as a run's
+does (a JSONL prompt file's "images", loaded into the prompt's metadata) and the plain pipeline
+call as its `image`. Text encoders are stand-ins of one or two layers at the
 width the transformer takes (SD3's two CLIPs at full size; T5 left out, as in the embedded model,
-so the pipeline pads its 256 tokens with zeros): the transformer sees real-size inputs, and text
+so the pipeline pads its 256 tokens with zeros; Qwen2.5-VL's 7 B, Qwen-Image's and Qwen-Image-Edit's
+text encoder, one layer at its width, with a one-block vision tower of its patch and merge sizes
+for Edit, so that a 1024 x 1024 source image is its 1,369 tokens of the text sequence): the
+transformer sees real-size inputs, and text
 encoding, once per batch, is cheaper than with the real encoders. Settings are the family's
 config/model/*.yaml (512 px, 10 steps, CFG, SDE window, LoRA rank 32, bf16) on a smaller batch.
 Measured, in this order:
@@ -26,12 +32,14 @@ Measured, in this order:
    device and on its CPU: samples/s.
 
 FLOPs are counted by torch's FlopCounterMode over one call (matmuls, attention, convolutions),
-model FLOPs only: with gradient checkpointing off. Each section's result, or its error, is
+model FLOPs only: with gradient checkpointing off; a rollout's or pipeline's counted call is its
+warm-up. Each section's result, or its error, is
 written to the JSON as soon as it is known, so a failure loses nothing measured before it.
 
     python benchmarks/gpu.py                                   # SD3.5-Medium on a GPU (~4 min on an H200)
     python benchmarks/gpu.py --shape flux_dev --skip-embedded  # another family (no full fine-tuning at 12 B)
     python benchmarks/gpu.py --shape wan21_1_3b --skip-embedded --prompts 1 --group-size 4   # video: 190 s did not finish batch 16
+    python benchmarks/gpu.py --shape flux_kontext --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
     CUDA_LAUNCH_BLOCKING=1 python benchmarks/gpu.py --shape flux_dev --train-only --train-rows 4c,4,8   # trainer rows alone
     python benchmarks/gpu.py --shape tiny --device cpu --repeats 1 --skip-embedded   # the same code, tiny (tests)
 
@@ -44,6 +52,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import json
 import os
 import platform
 import sys
@@ -60,8 +69,11 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from async_flowgrpo.builders import build_learner  # noqa: E402
+from async_flowgrpo.conditioning import SOURCE_IMAGES, with_sources  # noqa: E402
 from async_flowgrpo.config import load_config  # noqa: E402
-from async_flowgrpo.models import adapter_class  # noqa: E402
+from async_flowgrpo.models import pipeline_adapter_class  # noqa: E402
+from async_flowgrpo.models.common import PromptEmbeds  # noqa: E402
+from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.sampling import rollout_sampling  # noqa: E402
 
 # Dense bf16 peaks from the vendors' datasheets (TFLOP/s, SXM parts); MFU is also given against
@@ -90,6 +102,8 @@ WAN21_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_d
 # Wan2.2 T2V-A14B: two experts of this shape (transformer, transformer_2); TI2V-5B: one, over the Wan2.2 VAE
 WAN22_A14B = _tiny(WAN21_1_3B, num_attention_heads=40, ffn_dim=13824, num_layers=40)
 WAN22_TI2V_5B = _tiny(WAN21_1_3B, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336)
+# Wan2.2 I2V-A14B: A14B's experts taking [latents | first-frame mask (the VAE's 4 temporal frames) | image latents]
+WAN22_I2V_A14B = _tiny(WAN22_A14B, in_channels=16 + 4 + 16)
 WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                  temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12, out_channels=12,
                  scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
@@ -110,7 +124,17 @@ SHAPES = {
                        text_tokens=512, resolution=480, num_frames=33, full_fine_tuning=False),
     "wan22_ti2v_5b": dict(family="wan", variant="wan22_ti2v_5b", config="wan22_ti2v_5b", transformer=WAN22_TI2V_5B,
                           vae=WAN22_VAE, text_tokens=512, resolution=480, num_frames=33),
-    # tiny twins: the same code on CPU in seconds (tests)
+    # image-conditioned (`source_images` per prompt): FLUX.1-Kontext-dev's transformer is FLUX.1-dev's, Qwen-Image-Edit's
+    # Qwen-Image's (its source image resized to 1024 x 1024 for the VAE and the text encoder, as the pipeline does,
+    # whatever the output size: 4,096 image tokens and 1,369 vision tokens beside the 1,024 noisy ones)
+    "flux_kontext": dict(family="flux_kontext", config="flux_kontext_dev", transformer=FLUX_DEV, text_tokens=512,
+                         resolution=1024, source_images=1, full_fine_tuning=False),
+    "qwen_image_edit": dict(family="qwen_image_edit", config="qwen_image_edit", transformer=QWEN_IMAGE, text_tokens=1536,
+                            resolution=512, source_images=1, full_fine_tuning=False),
+    "wan22_i2v_a14b": dict(family="wan", variant="wan22_i2v_a14b", config="wan22_i2v_a14b", transformer=WAN22_I2V_A14B,
+                           text_tokens=512, resolution=480, num_frames=33, source_images=1, full_fine_tuning=False),
+    # tiny twins: the same code on CPU in seconds (tests); the image-conditioned ones are CPU checks by hand (minutes on
+    # 2 cores: Qwen-Image-Edit's pipeline resizes every source to 1024 x 1024, whatever the model's size)
     "tiny": dict(family="sd3", config="sd35_medium", clip=((32, 1, 2), (32, 1, 2)), text_tokens=4, resolution=64,
                  transformer=_tiny(SD35_MEDIUM, sample_size=8, num_layers=2, attention_head_dim=16, num_attention_heads=2,
                                    joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,
@@ -134,6 +158,21 @@ SHAPES = {
                                                             text_dim=32, freq_dim=32, ffn_dim=48, num_layers=1,
                                                             rope_max_seq_len=32),
                             vae=dict(base_dim=8), full_fine_tuning=False),
+    "tiny_flux_kontext": dict(family="flux_kontext", config="flux_kontext_dev", text_tokens=8, resolution=64, source_images=1,
+                              full_fine_tuning=False,
+                              transformer=_tiny(FLUX_DEV, num_layers=1, num_single_layers=1, attention_head_dim=16,
+                                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+                                                axes_dims_rope=(4, 6, 6)),
+                              vae=dict(block_out_channels=(32, 32, 32, 32))),
+    "tiny_qwen_image_edit": dict(family="qwen_image_edit", config="qwen_image_edit", text_tokens=1536, resolution=64,
+                                 source_images=1, vae=dict(base_dim=8),
+                                 transformer=_tiny(QWEN_IMAGE, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+                                                   joint_attention_dim=32, axes_dims_rope=(4, 6, 6))),
+    "tiny_wan22_i2v_a14b": dict(family="wan", variant="wan22_i2v_a14b", config="wan22_i2v_a14b", text_tokens=8,
+                                resolution=64, num_frames=5, source_images=1,
+                                transformer=_tiny(WAN22_I2V_A14B, num_attention_heads=2, attention_head_dim=12,
+                                                  text_dim=32, freq_dim=32, ffn_dim=48, num_layers=1, rope_max_seq_len=32),
+                                vae=dict(base_dim=8), full_fine_tuning=False),
 }
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a yellow star above a purple circle",
            "three blue squares"]
@@ -209,23 +248,29 @@ def build_pipeline(shape: dict):
             text_encoder_2=clip(*shape["clip"][1]), tokenizer_2=tokenizers[1], text_encoder_3=None, tokenizer_3=None)
     # the tiny builders make the text side and scheduler; transformer and VAE are replaced (a
     # pipeline's __init__ derives its scale factors from the VAE, so it is built anew)
-    if family == "flux":
+    if family in ("flux", "flux_kontext"):
         from async_flowgrpo.models.tiny_flux import TinyFluxSpec, build_tiny_flux
+        from async_flowgrpo.models.tiny_kontext import build_tiny_kontext
 
         t = shape["transformer"]
-        pipe = build_tiny_flux(TinyFluxSpec(vocab=vocab, resolution=shape["resolution"], clip_hidden=t["pooled_projection_dim"],
-                                            t5_hidden=t["joint_attention_dim"], t5_max_length=shape["text_tokens"]))
+        spec = TinyFluxSpec(vocab=vocab, resolution=shape["resolution"], clip_hidden=t["pooled_projection_dim"],
+                            t5_hidden=t["joint_attention_dim"], t5_max_length=shape["text_tokens"])
+        pipe = build_tiny_flux(spec) if family == "flux" else build_tiny_kontext(spec)
         parts = dict(transformer=diffusers.FluxTransformer2DModel(**t),
                      vae=sd3_style_vae(shape, scaling_factor=0.3611, shift_factor=0.1159))
-    elif family == "qwen_image":
+    elif family in ("qwen_image", "qwen_image_edit"):
         from async_flowgrpo.models.tiny_qwen_image import TinyQwenImageSpec, build_tiny_qwen_image
+        from async_flowgrpo.models.tiny_qwen_image_edit import build_tiny_qwen_image_edit
 
         width = text_width(shape)
-        pipe = build_tiny_qwen_image(TinyQwenImageSpec(vocab=vocab, text_hidden=width, text_layers=1,
-                                                       text_heads=max(2, width // 128), max_sequence_length=shape["text_tokens"],
-                                                       text_kv_heads=max(2, width // 128)))  # torch's FLOP counter takes no GQA
+        spec = TinyQwenImageSpec(vocab=vocab, text_hidden=width, text_layers=1, text_heads=max(2, width // 128),
+                                 max_sequence_length=shape["text_tokens"],
+                                 text_kv_heads=max(2, width // 128))  # torch's FLOP counter takes no GQA
+        pipe = build_tiny_qwen_image(spec) if family == "qwen_image" else build_tiny_qwen_image_edit(spec)
         parts = dict(transformer=diffusers.QwenImageTransformer2DModel(**shape["transformer"]),
                      vae=diffusers.AutoencoderKLQwenImage(**shape.get("vae", {})))
+        if family == "qwen_image_edit":
+            parts["processor"] = qwen_vl_processor(pipe.tokenizer)
     elif family == "wan":
         from async_flowgrpo.models.tiny_wan import VARIANTS, TinyWanSpec, build_tiny_wan
 
@@ -239,6 +284,19 @@ def build_pipeline(shape: dict):
     else:
         raise ValueError(f"unknown family {family!r}")
     return type(pipe)(**{**pipe.components, **parts})
+
+
+def qwen_vl_processor(tokenizer):
+    """Qwen2.5-VL's image processor settings (14 px patches merged 2 x 2: 28 px per vision token,
+    its pixel bounds) over the stand-in tokenizer, built without torchvision as the adapter's `load` does."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from async_flowgrpo.models.qwen_image_edit import images_only_processor
+
+    with tempfile.TemporaryDirectory(prefix="qwen_vl_processor_") as folder:
+        Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2, min_pixels=56 * 56,
+                                 max_pixels=28 * 28 * 16384).save_pretrained(folder)
+        return images_only_processor(folder, tokenizer)
 
 
 def sd3_style_vae(shape: dict, **constants):
@@ -258,39 +316,98 @@ def make_adapter(shape: dict, device: torch.device, dtype: torch.dtype):
     settings = {"max_sequence_length": shape["text_tokens"], "resolution": shape["resolution"]}
     if "num_frames" in shape:
         settings["num_frames"] = shape["num_frames"]
-    return adapter_class(shape["family"]).from_pipeline(pipe, settings)
+    return pipeline_adapter_class(type(pipe).__name__).from_pipeline(pipe, settings)
 
 
 def bench_config(args, shape: dict, validation_dir: str, *overrides: str):
     """The family's config/model/<file>.yaml on this benchmark's batch. model.path names a tiny
     model of the family only to satisfy validation: the model itself is built in memory."""
     frames = [f"rollout.num_frames={shape['num_frames']}"] if "num_frames" in shape else []
+    sources = [f"rollout.prompts={args.prompt_file}", f"eval.prompts={args.prompt_file}"] if args.prompt_file else []
     return load_config("sync", [
         f"config/model/{shape['config']}.yaml", f"model.path={validation_dir}",
         f"rollout.groups_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
-        f"rollout.resolution={shape['resolution']}", *frames, *overrides,
+        f"rollout.resolution={shape['resolution']}", *frames, *sources, *overrides,
     ])
 
 
 def validation_model(shape: dict, workdir: str) -> str:
     """A tiny model directory of the shape's family (what config validation reads)."""
-    from async_flowgrpo.models import tiny_flux, tiny_qwen_image, tiny_sd3, tiny_wan
+    from async_flowgrpo.models import tiny_flux, tiny_kontext, tiny_qwen_image, tiny_qwen_image_edit, tiny_sd3, tiny_wan
 
     make = {"sd3": tiny_sd3.make_tiny_model_dir, "flux": tiny_flux.make_tiny_flux_dir,
-            "qwen_image": tiny_qwen_image.make_tiny_qwen_image_dir, "wan": tiny_wan.make_tiny_wan_dir}[shape["family"]]
+            "qwen_image": tiny_qwen_image.make_tiny_qwen_image_dir, "wan": tiny_wan.make_tiny_wan_dir,
+            "flux_kontext": tiny_kontext.make_tiny_kontext_dir,
+            "qwen_image_edit": tiny_qwen_image_edit.make_tiny_qwen_image_edit_dir}[shape["family"]]
     variant = {"variant": shape["variant"]} if "variant" in shape else {}
     return make(os.path.join(workdir, shape["family"]), **variant)
 
 
-def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict, guidance_scale_2: float | None = None) -> dict:
+def source_prompts(shape: dict, workdir: str, count: int) -> str | None:
+    """An image-conditioned shape's prompt file: JSONL rows of PROMPTS whose "images" are source
+    images of the sampled size (random pixels: the cost does not depend on them), as a run's
+    rollout.prompts holds them; None for the other shapes."""
+    if not shape.get("source_images"):
+        return None
+    from PIL import Image
+
+    res, gen = shape["resolution"], torch.Generator().manual_seed(0)
+    rows = []
+    for i, text in enumerate(PROMPTS[:count]):
+        names = [f"source_{i}_{k}.png" for k in range(shape["source_images"])]
+        for name in names:
+            pixels = torch.randint(0, 256, (res, res, 3), generator=gen, dtype=torch.uint8)
+            Image.fromarray(pixels.numpy()).save(os.path.join(workdir, name))
+        rows.append(json.dumps({"prompt": text, "images": names}))
+    path = os.path.join(workdir, "sources.jsonl")
+    with open(path, "w") as f:
+        f.write("\n".join(rows) + "\n")
+    return path
+
+
+def batch_prompts(args, cfg) -> tuple[list[str], list[dict] | None]:
+    """The batch's prompts and their metadata: PROMPTS; for an image-conditioned shape the rows of
+    its prompt file with their source images loaded into the metadata, as a rollout worker hands
+    them to `generate` (`conditioning.with_sources`)."""
+    if not args.prompt_file:
+        return PROMPTS[: args.prompts], None
+    rows = load_prompts(cfg.rollout.prompts)[: args.prompts]
+    return [p.text for p in rows], [with_sources(p) for p in rows]
+
+
+def generate(policy, batch, args, sampling: dict, seed: int):
+    prompts, metadata = batch
+    return policy.generate(prompts, args.group_size, **sampling, seed=seed, metadata=metadata)
+
+
+def pipeline_calls(shape: dict, enc, metadata: list[dict] | None, group_size: int, sampling: dict,
+                   guidance_scale_2: float | None = None) -> list[dict]:
+    """The plain pipeline calls that make our rollout's batch: one call, or with source images one
+    per prompt, given its image (the pipelines take one image for a whole call)."""
+    if metadata is None:
+        return [pipeline_kwargs(shape, enc, group_size, sampling, guidance_scale_2)]
+    from PIL import Image
+
+    def rows(i):
+        return PromptEmbeds(*(t[i : i + 1] if t is not None else None for t in
+                              (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)))
+
+    return [pipeline_kwargs(shape, rows(i), group_size, sampling, guidance_scale_2,
+                            image=Image.fromarray(m[SOURCE_IMAGES][0].numpy())) for i, m in enumerate(metadata)]
+
+
+def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict, guidance_scale_2: float | None = None,
+                    image=None) -> dict:
     """A plain pipeline call's arguments for the batch our rollout generates: the same
     conditioning (embeddings given, repeated per image: the pipelines do not repeat given ones),
-    steps, guidance and size."""
+    steps, guidance and size; `image` (PIL) an image-conditioned pipeline's source image."""
     def rep(t):
         return t.repeat_interleave(group_size, 0) if t is not None else None
 
     res, g = shape["resolution"], sampling["guidance_scale"]
     out = dict(num_inference_steps=sampling["num_steps"], height=res, width=res, output_type="np")
+    if image is not None:
+        out["image"] = image
     family = shape["family"]
     if family == "sd3":
         return dict(prompt_embeds=rep(enc.embeds), pooled_prompt_embeds=rep(enc.pooled), guidance_scale=g,
@@ -298,11 +415,19 @@ def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict, guidance_
                     **out)
     if family == "flux":  # guidance-distilled: g is the guidance embedding's input, no CFG batch
         return dict(prompt_embeds=rep(enc.embeds), pooled_prompt_embeds=rep(enc.pooled), guidance_scale=g, **out)
-    if family == "qwen_image":  # the adapter's `pooled` slot holds the text mask; trim the shared padding as it does
-        length = int(torch.cat([enc.pooled, enc.negative_pooled]).bool().any(0).nonzero().max()) + 1
-        return dict(prompt_embeds=rep(enc.embeds[:, :length]), prompt_embeds_mask=rep(enc.pooled[:, :length].long()),
+    if family == "flux_kontext":  # Flux's, the `pooled` slot [CLIP pooled | image tokens] cut to CLIP's; the
+        # source at the output's size, not moved to a preferred Kontext size nor the output to max_area
+        pooled = enc.pooled[:, : shape["transformer"]["pooled_projection_dim"]].to(enc.embeds.dtype)  # (kept in fp32 there)
+        return dict(prompt_embeds=rep(enc.embeds), pooled_prompt_embeds=rep(pooled), guidance_scale=g, max_area=res * res,
+                    _auto_resize=False, **out)
+    if family in ("qwen_image", "qwen_image_edit"):
+        # the adapter's `pooled` slot starts with the text mask (Edit: then the image tokens); trim the
+        # shared padding as the adapter does
+        mask, neg_mask = (t[:, : shape["text_tokens"]] for t in (enc.pooled, enc.negative_pooled))
+        length = int(torch.cat([mask, neg_mask]).bool().any(0).nonzero().max()) + 1
+        return dict(prompt_embeds=rep(enc.embeds[:, :length]), prompt_embeds_mask=rep(mask[:, :length].long()),
                     negative_prompt_embeds=rep(enc.negative_embeds[:, :length]),
-                    negative_prompt_embeds_mask=rep(enc.negative_pooled[:, :length].long()), true_cfg_scale=g, **out)
+                    negative_prompt_embeds_mask=rep(neg_mask[:, :length].long()), true_cfg_scale=g, **out)
     two = {"guidance_scale_2": guidance_scale_2} if guidance_scale_2 is not None else {}  # A14B's low-noise expert
     return dict(prompt_embeds=rep(enc.embeds), negative_prompt_embeds=rep(enc.negative_embeds), guidance_scale=g,
                 num_frames=shape["num_frames"], **two, **out)
@@ -315,9 +440,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, repeats: int) -> list[float]:
+def timed(fn, device: torch.device, repeats: int, warm_up: bool = True) -> list[float]:
     """Seconds per call of fn(), `repeats` calls after one warm-up."""
-    fn()
+    if warm_up:
+        fn()
     out = []
     for _ in range(repeats):
         sync(device)
@@ -337,6 +463,13 @@ def count_flops(fn) -> float:
     with FlopCounterMode(display=False) as counter:
         fn()
     return float(counter.get_total_flops())
+
+
+def counted_and_timed(fn, device: torch.device, repeats: int) -> tuple[float, list[float]]:
+    """Model FLOPs of one call of fn(), then `timed` without another warm-up: the counted call is
+    one (FlopCounterMode dispatches the same kernels), which saves a call of a large model."""
+    flops = count_flops(fn)
+    return flops, timed(fn, device, repeats, warm_up=False)
 
 
 def rate(flops: float, seconds: list[float], peaks: dict) -> dict:
@@ -389,20 +522,21 @@ def section_rollout(args, shape, device, peaks, result, save):
     cfg = bench_config(args, shape, args.validation_dir)
     sampling = rollout_sampling(cfg.rollout)
     n = args.prompts * args.group_size
-    prompts = PROMPTS[: args.prompts]
+    batch = batch_prompts(args, cfg)
+    prompts, metadata = batch
 
     reset_memory(device)
     adapter = make_adapter(shape, device, torch.bfloat16)  # config/model/*.yaml's model.dtype
-    enc = adapter.encode_prompts(prompts, cfg=True)
-    call = pipeline_kwargs(shape, enc, args.group_size, sampling, cfg.model.guidance_scale_2)
+    images = {} if metadata is None else {"images": [m[SOURCE_IMAGES] for m in metadata]}
+    enc = adapter.encode_prompts(prompts, cfg=True, **images)
+    calls = pipeline_calls(shape, enc, metadata, args.group_size, sampling, cfg.model.guidance_scale_2)
     pipe = adapter.pipeline
     pipe.set_progress_bar_config(disable=True)
 
     def pipeline_call():
-        return pipe(**call)[0]
+        return [pipe(**call)[0] for call in calls]
 
-    secs = timed(pipeline_call, device, args.repeats)
-    flops = count_flops(pipeline_call)
+    flops, secs = counted_and_timed(pipeline_call, device, args.repeats)
     result["pipeline"] = {"images": n, "seconds": secs, "images_per_s": per_second(n, secs),
                           "flops_per_image": flops / n, **rate(flops, secs, peaks), "peak_memory_gb": peak_memory_gb(device)}
     log(f"plain diffusers pipeline: {result['pipeline']['images_per_s']} images/s, {result['pipeline']['tflops']} TFLOP/s")
@@ -418,13 +552,12 @@ def section_rollout(args, shape, device, peaks, result, save):
     groups = []
 
     def rollout():
-        groups[:] = policy.generate(prompts, args.group_size, **sampling, seed=len(groups))
+        groups[:] = generate(policy, batch, args, sampling, seed=len(groups))
 
-    secs = timed(rollout, device, args.repeats)
+    flops, secs = counted_and_timed(rollout, device, args.repeats)
     if monitor is not None:
         result["gpu_monitor"] = monitor.read()
         monitor.stop()
-    flops = count_flops(rollout)
     r = result["rollout"] = {"images": n, "seconds": secs, "images_per_s": per_second(n, secs),
                              "flops_per_image": flops / n, **rate(flops, secs, peaks),
                              "peak_memory_gb": peak_memory_gb(device)}
@@ -438,7 +571,7 @@ def section_rollout(args, shape, device, peaks, result, save):
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
     if not args.skip_fused:
-        result["rollout_fused"] = fused_rollout(args, learner, cfg, prompts, sampling, device, rollout)
+        result["rollout_fused"] = fused_rollout(args, learner, cfg, batch, sampling, device, rollout)
         log(f"rollout, LoRA folded in (rollout.fuse_lora): {result['rollout_fused']}")
         save()
 
@@ -446,7 +579,7 @@ def section_rollout(args, shape, device, peaks, result, save):
     measure_train_rows(args, learner, groups, device, peaks, result, save)
 
     section_engine(learner, device, result, save)
-    del learner, policy, adapter, pipe, enc, call, groups
+    del learner, policy, adapter, pipe, enc, calls, groups
     return result
 
 
@@ -556,7 +689,7 @@ def section_train_only(args, shape, device, peaks, result, save):
     """Only the trainer rows (no pipeline or rollout timing): one generated batch, then --train-rows."""
     cfg = bench_config(args, shape, args.validation_dir)
     learner = build_learner(cfg, device=device, adapter=make_adapter(shape, device, torch.bfloat16))
-    groups = learner.policy.generate(PROMPTS[: args.prompts], args.group_size, **rollout_sampling(cfg.rollout), seed=0)
+    groups = generate(learner.policy, batch_prompts(args, cfg), args, rollout_sampling(cfg.rollout), seed=0)
     random_rewards(groups, cfg)
     measure_train_rows(args, learner, groups, device, peaks, result, save)
     del learner, groups
@@ -567,7 +700,7 @@ def train_rows(spec: str) -> list[tuple[bool, int]]:
     return [(row.endswith("c"), int(row.rstrip("c"))) for row in spec.split(",") if row]
 
 
-def fused_rollout(args, learner, cfg, prompts, sampling, device, rollout) -> dict:
+def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
     """The rollout with the LoRA deltas folded into the base weights (what rollout actors do on a
     GPU): its speed, and, on adapters moved off zero (B = 0 at init would fold nothing), how far
     the trainer's recompute (logp/max_abs_diff) is from its log-probs, and from the adapters'."""
@@ -580,17 +713,17 @@ def fused_rollout(args, learner, cfg, prompts, sampling, device, rollout) -> dic
     policy.fuse_lora()
     secs = timed(rollout, device, args.repeats)
     out = {"seconds": secs, "images_per_s": per_second(n, secs)}
-    fused = policy.generate(prompts, args.group_size, **sampling, seed=99)
+    fused = generate(policy, batch, args, sampling, seed=99)
     # Folded, every weight the rollout touches is bf16, so it could compute as the plain pipeline
     # does, without autocast (which runs LayerNorm and softmax in fp32): a candidate for the rest
     # of the gap to the pipeline, at the price of a larger mismatch with the trainer (under autocast).
     on, policy.autocast_dtype = policy.autocast_dtype, None
     secs = timed(rollout, device, args.repeats)
     out["no_autocast"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
-    plain = policy.generate(prompts, args.group_size, **sampling, seed=99)
+    plain = generate(policy, batch, args, sampling, seed=99)
     policy.autocast_dtype = on
     policy.unfuse_lora()
-    separate = policy.generate(prompts, args.group_size, **sampling, seed=99)
+    separate = generate(policy, batch, args, sampling, seed=99)
     # (the rollouts' own log-probs agree whatever the weights: each scores its own noise)
     for name, groups in (("fused", fused), ("fused_no_autocast", plain), ("adapters", separate)):  # one update each, undone after
         random_rewards(groups, cfg)
@@ -609,8 +742,8 @@ def section_autocast_ab(args, shape, device, result, save):
     policy = learner.policy
     policy.adapter.transformer.disable_gradient_checkpointing()
     learner.micro_batch_size = 4
-    prompts = PROMPTS[: args.prompts]
-    groups = policy.generate(prompts, args.group_size, **sampling, seed=0)
+    batch = batch_prompts(args, cfg)
+    groups = generate(policy, batch, args, sampling, seed=0)
     random_rewards(groups, cfg)
     out, on = {}, policy.autocast_dtype
     lora_layers = [m for m in policy.adapter.transformer.modules() if hasattr(m, "cast_input_dtype_enabled")]
@@ -620,7 +753,7 @@ def section_autocast_ab(args, shape, device, result, save):
             for m in lora_layers:  # without autocast peft must cast the activations to the adapters' fp32
                 m.cast_input_dtype_enabled = autocast is None
             row = out.setdefault(str(autocast), {"rollout_s": [], "train_s": []})
-            row["rollout_s"] += timed(lambda: policy.generate(prompts, args.group_size, **sampling, seed=1), device, 1)
+            row["rollout_s"] += timed(lambda: generate(policy, batch, args, sampling, seed=1), device, 1)
             row["train_s"] += timed(lambda: learner.train_step(groups, version=0), device, 1)
     policy.autocast_dtype = on
     for m in lora_layers:
@@ -689,7 +822,7 @@ def section_full(args, shape, device, peaks, result, save):
     reset_memory(device)
     learner = build_learner(cfg, device=device, adapter=make_adapter(shape, device, torch.float32))
     policy = learner.policy
-    groups = policy.generate(PROMPTS[: args.prompts], args.group_size, **rollout_sampling(cfg.rollout), seed=0)
+    groups = generate(policy, batch_prompts(args, cfg), args, rollout_sampling(cfg.rollout), seed=0)
     random_rewards(groups, cfg)
     before = {k: v.clone() for k, v in list(policy.trainable_state().items())[:4]}
     try:
@@ -708,7 +841,6 @@ def section_full(args, shape, device, peaks, result, save):
 
 def section_embedded(args, device, result, save):
     """The embedded default (its config, its shapes reward) as a sync loop in one process."""
-    from async_flowgrpo.prompts import load_prompts
     from async_flowgrpo.rewards import CombinedReward
 
     out = {}
@@ -792,6 +924,7 @@ def main(argv=None) -> dict:
         sections.append(("embedded", lambda: section_embedded(args, device, result, save)))
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as workdir:
         args.validation_dir = validation_model(shape, workdir)
+        args.prompt_file = source_prompts(shape, workdir, args.prompts)
         for key, run in sections:
             t0 = time.perf_counter()
             try:

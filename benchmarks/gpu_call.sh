@@ -3,6 +3,8 @@
 # time cap inside one deadline, every JSON written to $OUT as it goes (a cap loses only the rows
 # after it). Carry the wheels the machine lacks in .gpu/whl (docs/gpu.md, "Carrying what the GPU
 # machine lacks"); run from the repository root:  BUDGET_S=560 bash benchmarks/gpu_call.sh
+# ROWS="name ..." runs only those rows, in this file's order (the image-conditioned rows come after
+# the others, so a call whose earlier rows use their caps leaves them to the next one).
 # Seen on an H200: building SD3.5-M's shape and generating its batch takes about 40 s, Qwen-Image's
 # (20 B) over 100 s; a trainer row with --profile about 2-3 steps' time more.
 set -u
@@ -15,6 +17,7 @@ fi
 export HF_HUB_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 run() {  # run NAME CAP_S ARGS...: benchmarks/gpu.py under min(CAP_S, time left)
   local name=$1 cap=$2; shift 2
+  [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $name "* ]] && return
   local left=$((DEADLINE - $(date +%s)))
   [ $left -lt 40 ] && { echo "== $name: skipped, ${left}s left" >> "$OUT/log.txt"; return; }
   [ $cap -gt $left ] && cap=$left
@@ -27,4 +30,10 @@ run qwen_train 180 --shape qwen_image --train-only --prompts 1 --group-size 4 --
 run wan22_ti2v_5b 120 --shape wan22_ti2v_5b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 4 --repeats 1 --train-rows 4,1c
 run wan22_a14b 170 --shape wan22_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 run flux_train 90 --shape flux_dev --train-only --train-rows 8 --repeats 1 --profile
+# image-conditioned, each against its diffusers pipeline given the same source image: FLUX.1 Kontext at
+# 1024 px (12 B, 8,192 image tokens a row), Qwen-Image-Edit (20 B; a 1024 x 1024 source beside 512 px
+# output: ~6,500 tokens a row, over 100 s to build), Wan2.2 I2V-A14B as the T2V-A14B row above
+run kontext 170 --shape flux_kontext --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
+run qwen_edit 240 --shape qwen_image_edit --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
+run wan22_i2v_a14b 220 --shape wan22_i2v_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 echo "== total $(( $(date +%s) - START ))s" >> "$OUT/log.txt"

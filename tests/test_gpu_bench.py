@@ -69,16 +69,52 @@ def test_real_shapes_build_on_the_meta_device(gpu):
     """The real-size configs are valid for their diffusers classes (no memory: meta tensors), and
     the sizes are the public ones (parameters of the transformer, billions)."""
     expected = {"sd35_medium": 2.2, "flux_dev": 11.9, "qwen_image": 20.4, "wan21_1_3b": 1.4,
-                "wan22_a14b": 14.3, "wan22_ti2v_5b": 5.0}  # A14B: each of its two experts
+                "wan22_a14b": 14.3, "wan22_ti2v_5b": 5.0,  # A14B: each of its two experts
+                "flux_kontext": 11.9, "qwen_image_edit": 20.4, "wan22_i2v_a14b": 14.3}
     import diffusers
 
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
-               "qwen_image": "QwenImageTransformer2DModel", "wan": "WanTransformer3DModel"}
+               "qwen_image": "QwenImageTransformer2DModel", "wan": "WanTransformer3DModel",
+               "flux_kontext": "FluxTransformer2DModel", "qwen_image_edit": "QwenImageTransformer2DModel"}
     for name, billions in expected.items():
         shape = gpu.SHAPES[name]
         with torch.device("meta"):
             transformer = getattr(diffusers, classes[shape["family"]])(**shape["transformer"])
         assert sum(p.numel() for p in transformer.parameters()) / 1e9 == pytest.approx(billions, rel=0.05), name
+
+
+def test_image_conditioned_shapes_build_into_their_pipelines_and_adapters_on_the_meta_device(gpu):
+    """Each image-conditioned shape becomes the diffusers pipeline its contender calls and the
+    adapter a run would load for it (Wan2.2 I2V-A14B: the image-to-video one, whose transformer takes
+    the mask of the real VAE's 4 temporal frames and the image latents beside the latents), and
+    its source images reach our rollout as a run's prompt file hands them over."""
+    expected = {"flux_kontext": ("FluxKontextPipeline", "FluxKontextAdapter"),
+                "qwen_image_edit": ("QwenImageEditPipeline", "QwenImageEditAdapter"),
+                "wan22_i2v_a14b": ("WanImageToVideoPipeline", "WanImageToVideoAdapter")}
+    for name, (pipeline, adapter_name) in expected.items():
+        shape = gpu.SHAPES[name]
+        adapter = gpu.make_adapter(shape, torch.device("meta"), torch.bfloat16)
+        assert (type(adapter.pipeline).__name__, type(adapter).__name__) == (pipeline, adapter_name), name
+        assert adapter.image_conditioned and adapter.resolution == shape["resolution"], name
+    assert adapter.condition_channels == 16 + 4 and adapter.experts == ("transformer", "transformer_2")
+    assert adapter.num_frames == 33
+    processor = gpu.make_adapter(gpu.SHAPES["qwen_image_edit"], torch.device("meta"), torch.bfloat16).pipeline.processor
+    assert processor.image_processor.patch_size * processor.image_processor.merge_size == 28  # Qwen2.5-VL's
+
+
+def test_image_conditioned_prompts_reach_the_rollout_as_a_runs_do(gpu, tmp_path):
+    """The benchmark's prompt file for a source-image shape passes config validation at the shape's
+    size and loads into `generate`'s metadata as a rollout worker's `with_sources` does."""
+    from types import SimpleNamespace
+
+    shape = gpu.SHAPES["tiny_wan22_i2v_a14b"]
+    args = SimpleNamespace(prompts=2, group_size=2, prompt_file=gpu.source_prompts(shape, str(tmp_path), 2))
+    cfg = gpu.bench_config(args, shape, gpu.validation_model(shape, str(tmp_path)))
+    prompts, metadata = gpu.batch_prompts(args, cfg)
+    assert prompts == gpu.PROMPTS[:2] and cfg.rollout.prompts == cfg.eval.prompts == args.prompt_file
+    assert [tuple(m["source_images"][0].shape) for m in metadata] == [(64, 64, 3)] * 2
+    assert gpu.source_prompts(gpu.SHAPES["tiny_wan"], str(tmp_path), 2) is None
+    assert gpu.batch_prompts(SimpleNamespace(prompts=2, prompt_file=None), cfg) == (gpu.PROMPTS[:2], None)
 
 
 def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_path):

@@ -148,6 +148,15 @@ def adapter_class(family: str):
     raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 
+def pipeline_adapter_class(pipeline_class: str):
+    """The adapter class serving a diffusers pipeline class (by name): a family may have several
+    (wan: WanPipeline, WanImageToVideoPipeline)."""
+    if pipeline_class not in _FAMILIES:
+        raise ValueError(f"a {pipeline_class} is not served; supported: {sorted(_FAMILIES)}")
+    _, module, name = _FAMILIES[pipeline_class]
+    return getattr(importlib.import_module(module), name)
+
+
 def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype, num_frames: int = 0):
     """Load the model directory at `path` (offline) behind its family's adapter; num_frames > 0
     overrides a video model's frames per video (rollout.num_frames)."""
@@ -156,6 +165,4 @@ def load_adapter(path: str, *, device: torch.device | str, dtype: torch.dtype, n
         cls_name = json.load(f).get("_class_name")
     if cls_name not in _FAMILIES:
         raise ValueError(f"model.path {path!r} holds a {cls_name}; supported: {sorted(_FAMILIES)}")
-    _, module, name = _FAMILIES[cls_name]
-    return getattr(importlib.import_module(module), name).load(path, device=torch.device(device), dtype=dtype,
-                                                                 num_frames=num_frames)
+    return pipeline_adapter_class(cls_name).load(path, device=torch.device(device), dtype=dtype, num_frames=num_frames)
