@@ -133,8 +133,8 @@ SHAPES = {
                             resolution=512, source_images=1, full_fine_tuning=False),
     "wan22_i2v_a14b": dict(family="wan", variant="wan22_i2v_a14b", config="wan22_i2v_a14b", transformer=WAN22_I2V_A14B,
                            text_tokens=512, resolution=480, num_frames=33, source_images=1, full_fine_tuning=False),
-    # tiny twins: the same code on CPU in seconds (tests); the image-conditioned ones are CPU checks by hand (minutes on
-    # 2 cores: Qwen-Image-Edit's pipeline resizes every source to 1024 x 1024, whatever the model's size)
+    # tiny twins: the same code on CPU in seconds (tests); the image-conditioned ones are CPU checks by hand (Kontext's
+    # and I2V's about 9 s, Qwen-Image-Edit's minutes: its pipeline resizes every source to 1024 x 1024)
     "tiny": dict(family="sd3", config="sd35_medium", clip=((32, 1, 2), (32, 1, 2)), text_tokens=4, resolution=64,
                  transformer=_tiny(SD35_MEDIUM, sample_size=8, num_layers=2, attention_head_dim=16, num_attention_heads=2,
                                    joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64,

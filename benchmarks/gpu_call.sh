@@ -30,9 +30,11 @@ run qwen_train 180 --shape qwen_image --train-only --prompts 1 --group-size 4 --
 run wan22_ti2v_5b 120 --shape wan22_ti2v_5b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 4 --repeats 1 --train-rows 4,1c
 run wan22_a14b 170 --shape wan22_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 run flux_train 90 --shape flux_dev --train-only --train-rows 8 --repeats 1 --profile
-# image-conditioned, each against its diffusers pipeline given the same source image: FLUX.1 Kontext at
-# 1024 px (12 B, 8,192 image tokens a row), Qwen-Image-Edit (20 B; a 1024 x 1024 source beside 512 px
-# output: ~6,500 tokens a row, over 100 s to build), Wan2.2 I2V-A14B as the T2V-A14B row above
+# image-conditioned, each against its diffusers pipeline given the same source image (FLOPs of one
+# transformer forward counted on the meta device): FLUX.1 Kontext at 1024 px (8,192 image tokens a row:
+# 165 TFLOP, 7.7x FLUX.1-dev's at 512 px; ~125 s expected), Qwen-Image-Edit (a 1024 x 1024 source beside
+# 512 px output: 120 TFLOP, 7.7x Qwen-Image's; ~220 s, the build of 20 B included), Wan2.2 I2V-A14B as
+# T2V-A14B (~220 s). A row saves its JSON as it goes, the trainer last: a cap cuts that first.
 run kontext 170 --shape flux_kontext --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
 run qwen_edit 240 --shape qwen_image_edit --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
 run wan22_i2v_a14b 220 --shape wan22_i2v_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
