@@ -39,8 +39,8 @@ def _ray_of_this_worker():
 @pytest.fixture(scope="module")
 def ray_cluster(_ray_of_this_worker):
     """A 2-CPU local Ray cluster (the runs' actors take fractional CPUs), started by the first module
-    that asks for it and kept for the next ones in this pytest process: each start and shutdown costs
-    about 7 s on 2 cores. A module that leaves an actor holding resources gets its cluster ended, so
+    that asks for it and kept while the next module in this pytest process uses it too
+    (`pytest_runtest_teardown`): each start and shutdown costs about 7 s on 2 cores. A module that leaves an actor holding resources gets its cluster ended, so
     the next module starts a clean one. It inherits this process's environment (HF_HUB_OFFLINE above):
     a runtime_env would make Ray start a fresh worker for every actor instead of taking the ones it
     starts ahead (about 1 s each). A test that needs a Ray of its own calls `cluster.shutdown_ray()`
@@ -59,6 +59,21 @@ def ray_cluster(_ray_of_this_worker):
             cluster.shutdown_ray()
             break
         time.sleep(0.2)
+
+
+RAY_MODULES: set[str] = set()  # modules with a test that uses ray_cluster (pytest_collection_modifyitems)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a module that used the shared Ray of `ray_cluster`, it is kept only for a next module
+    that uses it too: an idle Ray (its GCS, raylet and agents) takes about 5 % of a core, which the
+    other modules' runs need."""
+    here, after = module_name(item), module_name(nextitem) if nextitem is not None else None
+    if here in RAY_MODULES and after != here and after not in RAY_MODULES:
+        from async_flowgrpo.driver import cluster
+
+        cluster.shutdown_ray()
 
 
 # The fast tier (`python -m pytest -q -m "not slow"`, under 2 minutes) leaves out what starts Ray,
@@ -88,6 +103,8 @@ def module_name(item) -> str:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            RAY_MODULES.add(module_name(item))
         if "ray_cluster" in getattr(item, "fixturenames", ()) or module_name(item) in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_MODULES)}

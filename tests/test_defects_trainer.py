@@ -143,7 +143,8 @@ def fetch_rank(rank, port, model_dir, output_dir, sequence_parallel, shards, los
             return [fake_get(r) for r in refs]
         if refs in lost_on[rank]:
             raise ray.exceptions.ObjectLostError(f"{refs:040x}", None, "")
-        return mock.Mock(spec=Group, prompt_index=refs, size=2, prompt="a prompt", images=torch.zeros(2, 8, 8, 3))
+        return mock.Mock(spec=Group, prompt_index=refs, size=2, prompt="a prompt", images=torch.zeros(2, 8, 8, 3),
+                         metadata={})
 
     cfg = load_config("fully_async", [
         f"model.path={model_dir}", "model.family=wan", "model.lora_rank=4", "reward.weights={frames_jpeg_compressibility: 1.0}",
