@@ -255,12 +255,12 @@ def test_a_stale_awm_sample_is_weighted_against_the_weights_that_generated_it(ti
     ratio u = exp(lp - lp_old) is clipped at 1 +- clip_range; past the copies kept it falls back to
     the start-of-update weights (u = 1), counted."""
     learner = _awm_learner(tiny_model_dir, "algorithm.max_staleness=1", "sync.every=1")
-    assert learner.sampled.keep == 3
+    assert learner.copies_by_version.keep == 3
     v0 = {k: t.clone() for k, t in learner.policy.trainable_state().items()}
     stale = _ode_groups(learner.policy, version=0, seed=1)
     learner.train_step(_ode_groups(learner.policy, version=0, seed=0), version=0)
-    assert set(learner.sampled.copies) == {0, 1}
-    for k, t in learner.sampled.copies[0].items():  # version 0's copy is the weights that generated `stale`
+    assert set(learner.copies_by_version.copies) == {0, 1}
+    for k, t in learner.copies_by_version.copies[0].items():  # version 0's copy is the weights that generated `stale`
         assert torch.equal(t, v0[k])
 
     torch.manual_seed(7)
@@ -280,7 +280,7 @@ def test_a_stale_awm_sample_is_weighted_against_the_weights_that_generated_it(ti
 
     for _ in range(3):  # three more versions: version 0 is no longer kept
         learner.train_step(_ode_groups(learner.policy, version=learner.steps, seed=learner.steps), version=learner.steps)
-    assert 0 not in learner.sampled.copies
+    assert 0 not in learner.copies_by_version.copies
     m = learner.train_step(stale, version=learner.steps)
     assert m["awm/old_missing_frac"] == 1.0 and m["policy/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
 

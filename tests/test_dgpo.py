@@ -135,12 +135,12 @@ def test_a_stale_sample_is_clipped_against_the_old_copy_of_its_version(tiny_mode
     """fully_async: e_old of a group comes from the old copy published at its version (exact), the
     clip mask is computed against it; past the copies kept it falls back to the current copy, counted."""
     learner = _learner(tiny_model_dir, "algorithm.max_staleness=1", "sync.every=1", "algorithm.dgpo.clip_range=1e-4")
-    assert learner.old_copies.keep == 3
+    assert learner.copies_by_version.keep == 3
     v0 = {k: t.clone() for k, t in learner.policy.trainable_state().items()}
     stale, fresh = _ode_groups(learner.policy, version=0, seed=1), _ode_groups(learner.policy, version=0, seed=0)
     learner.train_step(fresh, version=0)
-    assert set(learner.old_copies.copies) == {0, 1}
-    for k, t in learner.old_copies.copies[0].items():  # version 0's old copy: the weights before any update
+    assert set(learner.copies_by_version.copies) == {0, 1}
+    for k, t in learner.copies_by_version.copies[0].items():  # version 0's old copy: the weights before any update
         assert torch.equal(t, v0[k])
 
     torch.manual_seed(7)
@@ -163,7 +163,7 @@ def test_a_stale_sample_is_clipped_against_the_old_copy_of_its_version(tiny_mode
 
     for _ in range(3):  # three more versions: version 0 is no longer kept
         learner.train_step(fresh, version=learner.steps)
-    assert 0 not in learner.old_copies.copies
+    assert 0 not in learner.copies_by_version.copies
     m = learner.train_step(stale, version=learner.steps)
     assert m["dgpo/old_missing_frac"] == 1.0
 

@@ -80,7 +80,7 @@ def test_train_step_lowers_the_batch_loss_and_publishes_the_old_copy(model_dir):
     # decay 0.001 after 1 update: the published old copy is 0.001 old + 0.999 theta
     for k in theta:
         torch.testing.assert_close(learner.sampling_state()[k], 0.001 * before_weights[k] + 0.999 * theta[k])
-    assert learner.snapshots.copies.keys() == {0, 1}
+    assert learner.copies_by_version.copies.keys() == {0, 1}
 
 
 def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
@@ -91,7 +91,7 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     stale = rollout(rollout_policy, seed=1, version=0)
     learner.train_step(rollout(rollout_policy, seed=2, version=0), version=0)
     learner.train_step(rollout(rollout_policy, seed=3, version=0), version=1)  # stale by one: still snapshotted
-    assert learner.snapshots.copies.keys() == {1, 2}  # version 0 is beyond keep_versions now
+    assert learner.copies_by_version.copies.keys() == {1, 2}  # version 0 is beyond keep_versions now
 
     # a group of version 1 is scored with the weights published at version 1, not today's
     theta = clone(learner.policy.trainable_state())
@@ -101,7 +101,7 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     points = learner._points(stale)
     v_old, missing = learner._old_velocities(points, 1.0)
     assert missing == 0
-    rollout_policy.load_trainable_state(learner.snapshots.copies[1])
+    rollout_policy.load_trainable_state(learner.copies_by_version.copies[1])
     expected = rollout_policy.velocity(points.x_t, points.sigma, points.embeds[points.group], points.pooled[points.group])
     torch.testing.assert_close(v_old, expected.detach())
     assert all(torch.equal(v, theta[k]) for k, v in learner.policy.trainable_state().items())  # theta restored
@@ -138,7 +138,7 @@ def test_config_selects_nft_in_every_mode(model_dir):
         cfg = load_config(mode, [f"model.path={model_dir}", "algorithm.name=diffusion_nft", "model.lora_rank=4"])
         assert rollout_sampling(cfg.rollout)["window_size"] == 0 and cfg.rollout.guidance_scale == 1.0
     learner = build_learner(cfg)
-    assert isinstance(learner, NFTLearner) and learner.snapshots.keep == 3
+    assert isinstance(learner, NFTLearner) and learner.copies_by_version.keep == 3
     assert learner.nft_beta == cfg.algorithm.diffusion_nft.beta
 
 

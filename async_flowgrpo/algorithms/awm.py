@@ -57,7 +57,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from async_flowgrpo.algorithms.base import Learner, VersionedCopies, batch_metrics
+from async_flowgrpo.algorithms.base import SoftCopyLearner, VersionedCopies, batch_metrics, versions_to_keep
 from async_flowgrpo.algorithms.diffusion_nft import _Points, batch_guidance, nft_old_decay, noised_points
 from async_flowgrpo.types import Group
 
@@ -139,7 +139,7 @@ def awm_loss(log_lik: Tensor, old_log_lik: Tensor, advantages: Tensor, *, clip_r
 # ---------------------------------------------------------------- the learner
 
 
-class AWMLearner(Learner):
+class AWMLearner(SoftCopyLearner):
     def __init__(
         self,
         policy: Any,
@@ -177,7 +177,7 @@ class AWMLearner(Learner):
         self.old_kl = old_kl
         self.decay = dict(start=0, rate=old_decay_rate, max_decay=old_decay_max)
         self.old = {n: p.clone() for n, p in policy.trainable_state().items()}  # the KL's soft copy
-        self.sampled = VersionedCopies(keep_versions)  # the weights each version's rollouts sampled with
+        self.copies_by_version = VersionedCopies(keep_versions)  # the weights each version's rollouts sampled with
         self.updates = 0
 
     # ------------------------------------------------------------------ data
@@ -215,7 +215,7 @@ class AWMLearner(Learner):
     # ------------------------------------------------------------------ update
 
     def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
-        self.sampled.copies.setdefault(version, {n: p.clone() for n, p in self.policy.trainable_state().items()})
+        self.copies_by_version.copies.setdefault(version, {n: p.clone() for n, p in self.policy.trainable_state().items()})
         points, eps = self._points(groups)
         minis = self._minis(len(points.starts) - 1)
         guidance = batch_guidance(groups)
@@ -237,7 +237,7 @@ class AWMLearner(Learner):
                     old_lp[sel.to(dev)] = self._log_lik(self._velocity(points, sel, guidance), points, eps, sel)
 
             start = {n_: p.clone() for n_, p in self.policy.trainable_state().items()}
-            missing = self.sampled.under_each(self.policy, points.version[index_all], start,
+            missing = self.copies_by_version.under_each(self.policy, points.version[index_all], start,
                                               lambda idx: compute(index_all[idx]))
         v_old = self._velocities_under(self.old, points, guidance) if self.old_kl > 0 else None
 
@@ -281,7 +281,7 @@ class AWMLearner(Learner):
         with torch.no_grad():  # new dicts: the published copies stay as they were
             theta = self.policy.trainable_state()
             self.old = {k: decay * self.old[k] + (1 - decay) * theta[k] for k in theta}
-            self.sampled.publish(version + 1, {k: t.clone() for k, t in theta.items()})
+            self.copies_by_version.publish(version + 1, {k: t.clone() for k, t in theta.items()})
 
         metrics = batch_metrics(groups, version)
         metrics.update({
@@ -303,23 +303,9 @@ class AWMLearner(Learner):
             })
         return metrics
 
-    # ------------------------------------------------------------------ checkpoint
-
-    def _extra_state(self) -> dict:
-        """The KL's soft copy and its clock; the per-version copies are not kept (after a resume the
-        rollouts regenerate with the published weights)."""
-        return {"old": self.old, "updates": self.updates}
-
-    def _load_extra_state(self, state: dict) -> None:
-        device = self.policy.device
-        self.old = {k: t.to(device) for k, t in state["old"].items()}
-        self.updates = state["updates"]
-        self.sampled.copies = {}
-
 
 def build(policy: Any, s: AWMSettings, c: Any, shared: dict) -> AWMLearner:
-    # as DiffusionNFT's copies: the staleness bound plus the publication interval
     return AWMLearner(policy, timesteps=s.timesteps, timestep_fraction=s.timestep_fraction, weighting=s.weighting,
                       ghuber_power=s.ghuber_power, clip_range=s.clip_range, advantage_max=s.advantage_max,
                       old_kl=s.old_kl, old_decay_rate=s.old_decay_rate, old_decay_max=s.old_decay_max,
-                      keep_versions=c.algorithm.max_staleness + c.sync.every + 1, **shared)
+                      keep_versions=versions_to_keep(c), **shared)

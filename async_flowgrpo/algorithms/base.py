@@ -219,3 +219,28 @@ class VersionedCopies:
         finally:
             policy.load_trainable_state(theta)
         return missing
+
+
+class SoftCopyLearner(Learner):
+    """A learner with a soft copy `old` of its trained weights, the update clock `updates` that sets
+    the copy's decay, and `copies_by_version` (a VersionedCopies): DiffusionNFT, AWM, DGPO. A
+    checkpoint keeps the copy and its clock, not the per-version copies: after a resume the rollouts
+    regenerate with the published weights, and an older sample falls back (counted)."""
+
+    old: dict[str, Tensor]
+    updates: int
+    copies_by_version: VersionedCopies
+
+    def _extra_state(self) -> dict:
+        return {"old": self.old, "updates": self.updates}
+
+    def _load_extra_state(self, state: dict) -> None:
+        device = self.policy.device
+        self.old = {n: t.to(device) for n, t in state["old"].items()}
+        self.updates = state["updates"]
+        self.copies_by_version.copies = {}
+
+
+def versions_to_keep(c: Any) -> int:
+    """Per-version copies a stale sample may need: the staleness bound plus the publication interval."""
+    return c.algorithm.max_staleness + c.sync.every + 1

@@ -96,7 +96,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from async_flowgrpo.algorithms.base import Learner, VersionedCopies, batch_metrics
+from async_flowgrpo.algorithms.base import SoftCopyLearner, VersionedCopies, batch_metrics, versions_to_keep
 from async_flowgrpo.algorithms.diffusion_nft import _Points, batch_guidance, nft_old_decay, noised_points
 from async_flowgrpo.types import Group
 
@@ -176,7 +176,7 @@ def dgpo_loss(err: Tensor, weight: Tensor, advantages: Tensor, old_err: Tensor |
 # ---------------------------------------------------------------- the learner
 
 
-class DGPOLearner(Learner):
+class DGPOLearner(SoftCopyLearner):
     def __init__(
         self,
         policy: Any,
@@ -214,7 +214,7 @@ class DGPOLearner(Learner):
         self.decay = dict(start=0, rate=old_decay_rate, max_decay=old_decay_max)
         self.sample_old_after = sample_old_after
         self.old = {n: p.clone() for n, p in policy.trainable_state().items()}  # the clip's soft copy
-        self.old_copies = VersionedCopies(keep_versions)  # the old copy current at each version
+        self.copies_by_version = VersionedCopies(keep_versions)  # the old copy current at each version
         self.updates = 0
 
     def sampling_state(self) -> dict[str, Tensor]:
@@ -267,14 +267,14 @@ class DGPOLearner(Learner):
     def _old_errors(self, points: _Points, target: Tensor, guidance: float) -> tuple[Tensor, int]:
         """e_old of every point under the old copy of its sample's version; (errors [P], missing)."""
         out = torch.empty(len(points), device=self.policy.device)
-        missing = self.old_copies.under_each(self.policy, points.version, self.old,
+        missing = self.copies_by_version.under_each(self.policy, points.version, self.old,
                                              lambda index: self._errors(points, target, guidance, index, out=out))
         return out, missing
 
     # ------------------------------------------------------------------ update
 
     def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
-        self.old_copies.copies.setdefault(version, self.old)
+        self.copies_by_version.copies.setdefault(version, self.old)
         points, target, comparison, sizes = self._points(groups)
         minis = self._minis(len(points.starts) - 1)
         guidance = batch_guidance(groups)
@@ -329,7 +329,7 @@ class DGPOLearner(Learner):
         with torch.no_grad():  # a new dict: the published copies stay as they were
             theta = self.policy.trainable_state()
             self.old = {k: decay * self.old[k] + (1 - decay) * theta[k] for k in theta}
-        self.old_copies.publish(version + 1, self.old)
+        self.copies_by_version.publish(version + 1, self.old)
 
         stale = points.version != version
         metrics = batch_metrics(groups, version)
@@ -352,24 +352,10 @@ class DGPOLearner(Learner):
             })
         return metrics
 
-    # ------------------------------------------------------------------ checkpoint
-
-    def _extra_state(self) -> dict:
-        """The old copy and its clock; the per-version copies are not kept (after a resume the
-        rollouts regenerate with the published weights)."""
-        return {"old": self.old, "updates": self.updates}
-
-    def _load_extra_state(self, state: dict) -> None:
-        device = self.policy.device
-        self.old = {k: t.to(device) for k, t in state["old"].items()}
-        self.updates = state["updates"]
-        self.old_copies.copies = {}
-
 
 def build(policy: Any, s: DGPOSettings, c: Any, shared: dict) -> DGPOLearner:
-    # as DiffusionNFT's copies: the staleness bound plus the publication interval
     return DGPOLearner(policy, beta_dpo=s.beta_dpo, timesteps=s.timesteps, timestep_fraction=s.timestep_fraction,
                        shared_noise=s.shared_noise, clip_range=s.clip_range, reference=s.reference,
                        old_decay_rate=s.old_decay_rate, old_decay_max=s.old_decay_max,
                        sample_old_after=s.sample_old_after,
-                       keep_versions=c.algorithm.max_staleness + c.sync.every + 1, **shared)
+                       keep_versions=versions_to_keep(c), **shared)

@@ -19,7 +19,7 @@ old <- d old + (1 - d) theta, d = `old_decay`(optimizer steps) (0 at first: old 
 Stale samples: no weight. The public code is synchronous, so its old copy at training time is the
 one that sampled. Here a group may be trained several versions after it was generated, so v_old
 must not come from today's old copy: the learner keeps the old copy published at each recent
-version (`snapshots`, never written in place) and computes v_old of a group with the copy of the
+version (`copies_by_version`, never written in place) and computes v_old of a group with the copy of the
 version that generated it: exact, not an approximation. A group whose steps carry several versions
 (an in-flight update, sync.update_point between_steps) is scored with its oldest one, the version
 its staleness is counted from; config/diffusion_nft.yaml swaps weights between groups, so every
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from async_flowgrpo.algo import Sigma, _mean_per_sample
-from async_flowgrpo.algorithms.base import Learner, VersionedCopies, batch_metrics
+from async_flowgrpo.algorithms.base import SoftCopyLearner, VersionedCopies, batch_metrics, versions_to_keep
 from async_flowgrpo.types import Group
 
 NAME = "diffusion_nft"
@@ -200,7 +200,7 @@ def batch_guidance(groups: list[Group]) -> float:
     return values.pop()
 
 
-class NFTLearner(Learner):
+class NFTLearner(SoftCopyLearner):
     def __init__(
         self,
         policy: Any,
@@ -233,7 +233,7 @@ class NFTLearner(Learner):
         self.timestep_fraction = timestep_fraction
         self.decay = dict(start=decay_start, rate=decay_rate, max_decay=decay_max)
         self.old = {n: p.clone() for n, p in policy.trainable_state().items()}
-        self.snapshots = VersionedCopies(keep_versions)
+        self.copies_by_version = VersionedCopies(keep_versions)
         self.updates = 0  # optimizer steps taken: the decay schedule's clock
 
     def sampling_state(self) -> dict[str, Tensor]:
@@ -262,7 +262,7 @@ class NFTLearner(Learner):
                 sel = index[call]
                 v_old[sel.to(v_old.device)] = self._velocity(points, sel, guidance)
 
-        missing = self.snapshots.under_each(self.policy, points.version, self.old, compute)
+        missing = self.copies_by_version.under_each(self.policy, points.version, self.old, compute)
         return v_old, missing
 
     # ------------------------------------------------------------------ update
@@ -270,7 +270,7 @@ class NFTLearner(Learner):
     def _train_step(self, groups: list[Group], version: int) -> dict[str, float]:
         """One DiffusionNFT update on `groups`; `version` is the published version (the weights
         held now), whose old copy the rollouts got if this is the first call."""
-        self.snapshots.copies.setdefault(version, self.old)
+        self.copies_by_version.copies.setdefault(version, self.old)
         points = self._points(groups)
         minis = self._minis(len(points.starts) - 1)
         guidance = batch_guidance(groups)
@@ -312,7 +312,7 @@ class NFTLearner(Learner):
         with torch.no_grad():  # a new dict: published and snapshotted copies stay as they were
             theta = self.policy.trainable_state()
             self.old = {n: decay * self.old[n] + (1 - decay) * theta[n] for n in theta}
-        self.snapshots.publish(version + 1, self.old)
+        self.copies_by_version.publish(version + 1, self.old)
 
         metrics = batch_metrics(groups, version)
         metrics.update({
@@ -331,23 +331,10 @@ class NFTLearner(Learner):
             })
         return metrics
 
-    # ------------------------------------------------------------------ checkpoint
-
-    def _extra_state(self) -> dict:
-        """The old copy and the decay clock. Per-version snapshots are not kept: after a resume the
-        rollouts regenerate from the published old copy."""
-        return {"old": self.old, "updates": self.updates}
-
-    def _load_extra_state(self, state: dict) -> None:
-        device = self.policy.device
-        self.old = {n: t.to(device) for n, t in state["old"].items()}
-        self.updates = state["updates"]
-        self.snapshots.copies = {}
-
 
 def build(policy: Any, s: DiffusionNFTSettings, c: Any, shared: dict) -> NFTLearner:
     # a group is at most max_staleness versions old when admitted and trained up to sync.every - 1
     # updates after a publication
     return NFTLearner(policy, nft_beta=s.beta, timestep_fraction=s.timestep_fraction, decay_start=s.decay_start,
                       decay_rate=s.decay_rate, decay_max=s.decay_max,
-                      keep_versions=c.algorithm.max_staleness + c.sync.every + 1, **shared)
+                      keep_versions=versions_to_keep(c), **shared)
