@@ -138,10 +138,28 @@ def tiny_a14b_dir(tmp_path_factory):
     return make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_a14b")), "wan22_a14b")
 
 
-def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir):
+def tiny_wan_commands() -> dict[str, str]:
+    """The directories the docs' `python -m async_flowgrpo.models.tiny_wan OUT [--variant V]` write: OUT -> V."""
+    made = {}
+    for _, words in ALL_COMMANDS:
+        if words[:2] == ["-m", "async_flowgrpo.models.tiny_wan"] and "--help" not in words:
+            rest = words[2:]
+            variant = rest[rest.index("--variant") + 1] if "--variant" in rest else "wan21"
+            positional = [w for i, w in enumerate(rest) if not w.startswith("-") and not (i and rest[i - 1] == "--variant")]
+            made[positional[0]] = variant
+    return made
+
+
+def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir, tmp_path_factory):
     """A launcher (or evaluation) command's YAML files and overrides are a valid config. A model path
     that only exists on a GPU machine is swapped for the tiny test model (the two-expert twin for
-    the two-expert preset, whose expert keys are checked against the model)."""
+    the two-expert preset, whose expert keys are checked against the model); one that a doc command
+    writes with `async_flowgrpo.models.tiny_wan` is that twin, written here."""
+    from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+
+    twins = tiny_wan_commands()
+    assert "outputs/tiny_ti2v" in twins  # (the README's image-to-video command: this check must see it)
+    written: dict[str, str] = {}
     checked = 0
     for doc, words in ALL_COMMANDS:
         if words[0] in LAUNCHERS:
@@ -152,7 +170,13 @@ def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir):
             continue
         if any(a in ("-h", "--help") for a in args):
             continue
+        model_path = next((a.split("=", 1)[1] for a in args if a.startswith("model.path=")), None)
         args = [a for a in args if not a.startswith("model.path=")]
+        if model_path in twins:
+            variant = twins[model_path]
+            if variant not in written:
+                written[variant] = make_tiny_wan_dir(str(tmp_path_factory.mktemp(variant)), variant)
+            args.append(f"model.path={written[variant]}")
         cwd = os.getcwd()
         os.chdir(ROOT)
         try:

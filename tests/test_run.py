@@ -79,20 +79,41 @@ def read_metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
+def alive_actors(settle_s: float = 10.0) -> list[str]:
+    """The classes of the actors alive in this process's Ray cluster (the GCS's actor table), once
+    none is still on its way out (ray.kill is asynchronous) or `settle_s` has passed."""
+    from ray._private import state
+
+    deadline = time.monotonic() + settle_s
+    while True:
+        actors = state.actors().values()
+        alive = sorted(a["ActorClassName"] for a in actors if a["State"] == "ALIVE")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_model_dir, prompt_file, tmp_path_factory):
-    """One short run per mode; returns {mode: metrics rows}."""
+    """One short run per mode; returns {mode: (output_dir, metrics rows, actors alive after it)}."""
     out = {}
     for mode in ("sync", "one_step_off", "fully_async"):
         output_dir = str(tmp_path_factory.mktemp(mode))
         run(small_config(mode, tiny_model_dir, prompt_file, output_dir))
-        out[mode] = (output_dir, read_metrics(output_dir))
+        out[mode] = (output_dir, read_metrics(output_dir), alive_actors())
     return out
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_a_finished_run_leaves_no_actor_behind(runs, mode):
+    """A run in a process that goes on (a notebook, these tests) ends every actor it started,
+    fully_async's queue actor included."""
+    assert runs[mode][2] == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
 def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
-    output_dir, rows = runs[mode]
+    output_dir, rows, _ = runs[mode]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["version"] for r in rows] == [1, 2, 3]  # one published update per step
     for key in ("reward/mean", "loss/policy", "policy/clip_frac", "is/ess", "staleness/mean", "sync/time_s",
@@ -110,7 +131,7 @@ def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
 
 
 def test_sync_has_zero_staleness_and_exact_logps(runs):
-    _, rows = runs["sync"]
+    _, rows, _ = runs["sync"]
     assert all(r["staleness/max"] == 0 for r in rows)
     assert all(r["samples/produced"] == r["samples/consumed"] for r in rows)
     # Fresh samples, same weights: the trainer's recomputed log-probs equal the rollout's.
@@ -118,13 +139,13 @@ def test_sync_has_zero_staleness_and_exact_logps(runs):
 
 
 def test_one_step_off_has_staleness_exactly_one_after_the_first_step(runs):
-    _, rows = runs["one_step_off"]
+    _, rows, _ = runs["one_step_off"]
     assert rows[0]["staleness/max"] == 0
     assert all(r["staleness/mean"] == 1 and r["staleness/max"] == 1 for r in rows[1:])
 
 
 def test_fully_async_stays_within_eta_and_counts_balance(runs):
-    _, rows = runs["fully_async"]
+    _, rows, _ = runs["fully_async"]
     assert all(r["staleness/max"] <= 1 for r in rows)
     assert all(r["staleness/hist_over"] == 0 and r["staleness/hist_0"] + r["staleness/hist_1"] == 2 for r in rows)
     last = rows[-1]

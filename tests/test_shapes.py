@@ -19,6 +19,7 @@ from async_flowgrpo.shapes.scenes import (
     all_specs,
     caption_to_spec,
     layout,
+    motion_first_frame,
     read_jsonl,
     render,
     spec_to_caption,
@@ -108,6 +109,33 @@ def test_prompt_files_match_split_and_are_disjoint():
     for r in train + evals:
         assert SceneSpec.from_dict(r["spec"]) == caption_to_spec(r["prompt"]) and r["kind"] == r["spec"]["kind"]
     assert {r["spec"]["kind"] for r in evals} == set(KINDS)
+
+
+def test_shipped_motion_first_frames_are_the_motion_prompts_drawn_at_their_start():
+    """The README's image-to-video prompts: every motion prompt, in order, with the frame
+    `motion_first_frame` draws (the object on the side it moves away from); bad captions refused."""
+    from PIL import Image
+
+    from async_flowgrpo.prompts import load_prompts, resolve_prompt_path
+
+    detected_x = {}
+    for split in ("train", "eval"):
+        with open(os.path.join(ASSETS, "prompts", f"motion_{split}.txt")) as f:
+            captions = [line.strip() for line in f if line.strip()]
+        rows = load_prompts(resolve_prompt_path(f"motion_first_frames_{split}"), image_size=(32, 32))
+        assert [r.text for r in rows] == captions
+        for row in rows:
+            frame = np.asarray(Image.open(row.images[0]).convert("RGB"))
+            assert np.array_equal(frame, motion_first_frame(row.text))
+            (found,) = detect(frame)
+            detected_x[row.text] = (found.color, found.shape, found.cx)
+    for text, (color, shape, cx) in detected_x.items():
+        words = text.split()
+        assert (color, shape) == (words[1], words[2])
+        assert (cx > 16) == (words[4] == "left"), text  # starts where it moves away from
+    for bad in ("a red circle", "a pink circle moving left", "a red circle moving up"):
+        with pytest.raises(ValueError, match="not a motion prompt"):
+            motion_first_frame(bad)
 
 
 def test_split_is_stratified_within_each_kind():

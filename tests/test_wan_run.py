@@ -1,6 +1,7 @@
 """The Wan video family end to end on Ray: sync, one_step_off and fully_async on the tiny Wan twins
-(5 frames of 32 x 32: Wan2.1, Wan2.2 TI2V-5B's per-token timesteps, Wan2.2 I2V-A14B's two experts
-and image to video from a prompt file of first frames) with a video reward, every weight publication
+(5 frames of 32 x 32: Wan2.1, Wan2.2 TI2V-5B's per-token timesteps with the shipped first frames
+of the README's image-to-video command, Wan2.2 I2V-A14B's two experts and image to video from a
+prompt file of first frames) with a video reward, every weight publication
 digest-verified, and sync and fully_async runs resumed from their checkpoints with exact step and
 sample counts. The A14B twin samples 4 steps, so that the trained window spans both experts; its
 checkpoints and saved LoRAs hold both.
@@ -35,7 +36,7 @@ BATCH = 2 * 2  # small_config: groups of 2, 2 groups per step
 # condition joined to their input, so its run covers both experts trained, checkpointed and saved
 # through Ray (T2V-A14B's own expert switch and replay: tests/test_wan22.py, in process).
 VARIANT_OVERRIDES = {"wan21": (), "wan22_ti2v_5b": (), "wan22_i2v_a14b": ("rollout.num_steps=4", "model.guidance_scale_2=3.0")}
-IMAGE_TO_VIDEO = ("wan22_i2v_a14b",)  # its prompts carry their first frames
+IMAGE_TO_VIDEO = ("wan22_i2v_a14b", "wan22_ti2v_5b")  # their prompts carry their first frames
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANT_OVERRIDES))
@@ -43,6 +44,8 @@ def wan_setup(request, tmp_path_factory):
     model = make_tiny_wan_dir(str(tmp_path_factory.mktemp("tiny_wan")), request.param)
     folder = tmp_path_factory.mktemp("prompts")
     texts = ["a red circle moving left", "a blue square moving right"]
+    if request.param == "wan22_ti2v_5b":  # the README's image-to-video command's shipped first frames
+        return model, "motion_first_frames_eval", request.param
     if request.param not in IMAGE_TO_VIDEO:
         prompts = folder / "moving.txt"
         prompts.write_text("\n".join(texts) + "\n")

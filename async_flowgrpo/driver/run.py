@@ -218,10 +218,13 @@ class BatchRollouts:
 class Run:
     """Start with `with Run(cfg) as run:`; see the module docstring. `actor_classes`: passed to
     `Cluster` (stand-in actors for benchmarks). `start_early`: called once Ray is up, before the
-    actors load their models; its result is `started_early` (fully_async's queue actor)."""
+    actors load their models; its result is `started_early` (fully_async's queue actor), ended with
+    the run's other actors."""
 
-    def __init__(self, cfg: Config, actor_classes: dict | None = None, start_early: Callable[[], object] | None = None):
+    def __init__(self, cfg: Config, actor_classes: dict | None = None,
+                 start_early: Callable[[], ray.actor.ActorHandle] | None = None):
         self.cfg = cfg
+        self.started_early: ray.actor.ActorHandle | None = None
         self.schedule = Schedule.of(cfg)
         self.checkpointer = checkpointer(cfg)
         # Before Ray starts (init_ray keeps these handlers): a signal during start-up is ours, not
@@ -611,7 +614,8 @@ class Run:
     def shutdown(self) -> None:
         self.stop.close()  # a signal now would leave actors behind
         if self.cluster is not None:
-            self.cluster.shutdown(ray_lost=self.stop.ray_lost)
+            # the queue actor too: in a process that goes on (a notebook, a test) it would outlive the run
+            self.cluster.shutdown(ray_lost=self.stop.ray_lost, also=[self.started_early] if self.started_early else [])
         if self.log is not None:
             self.log.close()
         self.stop.uninstall()

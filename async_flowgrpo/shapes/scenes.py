@@ -333,6 +333,40 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+MOTION_SIZE = 12  # pixels: the object of a motion prompt's first frame
+
+
+def motion_first_frame(caption: str, res: int = 32) -> np.ndarray:
+    """The first frame of a motion prompt ("a red circle moving left"): the object, vertically
+    centred, at the side it moves away from (an image-to-video model's input, `motion_first_frames`)."""
+    words = caption.split()
+    if len(words) != 5 or words[0] != "a" or words[3] != "moving" or words[4] not in ("left", "right"):
+        raise ValueError(f"not a motion prompt: {caption!r}")
+    color, shape = words[1], words[2]
+    if color not in COLORS or shape not in SHAPES:
+        raise ValueError(f"not a motion prompt: {caption!r}")
+    margin = (res - MOTION_SIZE) / 2
+    x = res - 3 - MOTION_SIZE if words[4] == "left" else 3
+    return draw([Placed(color, shape, x, margin, MOTION_SIZE)], res)
+
+
+def write_motion_first_frames(prompt_dir: str) -> None:
+    """motion_first_frames_{train,eval}.jsonl beside motion_{train,eval}.txt: the same prompts, each
+    with its first frame (motion_first_frames/NAME.png, 32 x 32)."""
+    import os
+
+    frames = os.path.join(prompt_dir, "motion_first_frames")
+    os.makedirs(frames, exist_ok=True)
+    for split in ("train", "eval"):
+        with open(os.path.join(prompt_dir, f"motion_{split}.txt")) as f:
+            captions = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+        with open(os.path.join(prompt_dir, f"motion_first_frames_{split}.jsonl"), "w") as f:
+            for caption in captions:
+                name = caption.removeprefix("a ").replace(" ", "_") + ".png"
+                Image.fromarray(motion_first_frame(caption)).save(os.path.join(frames, name))
+                f.write(json.dumps({"prompt": caption, "images": f"motion_first_frames/{name}"}) + "\n")
+
+
 def main() -> None:  # python -m async_flowgrpo.shapes.scenes [outdir]
     import os
     import sys
@@ -340,13 +374,15 @@ def main() -> None:  # python -m async_flowgrpo.shapes.scenes [outdir]
     if sys.argv[1:2] in (["-h"], ["--help"]):
         print("usage: python -m async_flowgrpo.shapes.scenes [OUTDIR]\n\n"
               "Writes the shapes prompt split (shapes_train.jsonl, shapes_eval.jsonl) to OUTDIR "
-              "(default: the package's assets/prompts).")
+              "(default: the package's assets/prompts), and there the first frames of its motion "
+              "prompts (motion_first_frames_{train,eval}.jsonl, from motion_{train,eval}.txt).")
         return
     out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "assets", "prompts")
     train, evals = split_prompts()
     write_jsonl(train, os.path.join(out, "shapes_train.jsonl"))
     write_jsonl(evals, os.path.join(out, "shapes_eval.jsonl"))
-    print(f"wrote {len(train)} train and {len(evals)} eval prompts to {out}")
+    write_motion_first_frames(out)
+    print(f"wrote {len(train)} train and {len(evals)} eval prompts, and the motion prompts' first frames, to {out}")
 
 
 if __name__ == "__main__":
