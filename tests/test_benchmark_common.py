@@ -47,3 +47,22 @@ def test_a_pruned_run_keeps_its_metrics_gzipped_and_readable(common, tmp_path):
     assert common.read_metrics(str(out)) == before == [rows[0], rows[2]]
     with common.open_metrics(str(out / "metrics.jsonl")) as f:  # the path it had before: plot_run.py's argument
         assert [json.loads(line) for line in f] == rows
+
+
+def test_run_cost_counts_an_actor_process_that_is_gone_by_the_end_under_its_role():
+    """benchmarks/run_cost.py: a child titled as Ray titles a rollout actor burns CPU and exits
+    before the count ends; its CPU (to its last sample) still counts, as the rollout's."""
+    import subprocess
+    import sys
+    import time
+
+    run_cost = load_benchmark("run_cost")
+    counter = run_cost.ProcessCpu(interval=0.05)
+    counter.start()
+    burn = "import time; t = time.process_time()\nwhile time.process_time() - t < 0.5: pass\ntime.sleep(0.3)"
+    child = subprocess.Popen(["bash", "-c", f'exec -a "ray::RolloutActor" {sys.executable} -c "{burn}"'])
+    assert child.wait(timeout=30) == 0
+    time.sleep(0.2)
+    cpu = counter.stop()
+    assert 0.3 <= cpu["rollout"] <= 2.0, cpu  # 0.5 s burnt, less the last sample interval's share
+    assert cpu["trainer"] == cpu["queue"] == 0.0
