@@ -374,13 +374,13 @@ class Cluster:
         idle = ray.get([t.idle_fraction.remote() for t in self.trainers], timeout=self.cfg.ray.call_timeout_s)
         return sum(idle) / len(idle)
 
-    def shutdown(self, ray_lost: bool = False, also: list = ()) -> None:
-        """End the run's actors (and the actors in `also`). ray_lost: the signal that stops the run
+    def shutdown(self, ray_lost: bool = False, more_actors: tuple = ()) -> None:
+        """End the run's actors (and `more_actors`). ray_lost: the signal that stops the run
         reached Ray's processes too. A Ray started here is then left to ray.shutdown, which ends it
         all: its GCS may be on its way out, and a call to it would wait 60 s for it, then exit 1."""
         if ray_lost and ray_started_here():
             _end_keeper()  # what the signal left of it goes at once (its GCS would take 20 s)
             return
-        for actor in self.rollouts + self.trainers + self.reward_actors + list(also):
+        for actor in self.rollouts + self.trainers + self.reward_actors + list(more_actors):
             ray.kill(actor)
         remove_placement_group(self.placement)

@@ -615,7 +615,7 @@ class Run:
         self.stop.close()  # a signal now would leave actors behind
         if self.cluster is not None:
             # the queue actor too: in a process that goes on (a notebook, a test) it would outlive the run
-            self.cluster.shutdown(ray_lost=self.stop.ray_lost, also=[self.started_early] if self.started_early else [])
+            self.cluster.shutdown(ray_lost=self.stop.ray_lost, more_actors=(self.started_early,) if self.started_early is not None else ())
         if self.log is not None:
             self.log.close()
         self.stop.uninstall()
