@@ -23,6 +23,7 @@ squares are axis aligned, so the fill ratio of a shape's bounding box tells the 
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import asdict, dataclass
 from typing import Iterable
@@ -353,8 +354,6 @@ def motion_first_frame(caption: str, res: int = 32) -> np.ndarray:
 def write_motion_first_frames(prompt_dir: str) -> None:
     """motion_first_frames_{train,eval}.jsonl beside motion_{train,eval}.txt: the same prompts, each
     with its first frame (motion_first_frames/NAME.png, 32 x 32)."""
-    import os
-
     frames = os.path.join(prompt_dir, "motion_first_frames")
     os.makedirs(frames, exist_ok=True)
     for split in ("train", "eval"):
@@ -368,7 +367,6 @@ def write_motion_first_frames(prompt_dir: str) -> None:
 
 
 def main() -> None:  # python -m async_flowgrpo.shapes.scenes [outdir]
-    import os
     import sys
 
     if sys.argv[1:2] in (["-h"], ["--help"]):
