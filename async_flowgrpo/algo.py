@@ -1,6 +1,7 @@
 """Sampler math every algorithm shares: the stochastic denoising step with its log-prob, the ODE
-step, the SDE window, the KL of two steps, group advantages and the lr schedule. Pure torch; no Ray,
-no diffusers. The algorithms' losses are in async_flowgrpo/algorithms/.
+steps (Euler; DPM-Solver++(2M) after the window), the SDE window, the KL of two steps, group
+advantages and the lr schedule. Pure torch; no Ray, no diffusers. The algorithms' losses are in
+async_flowgrpo/algorithms/.
 
 Conventions (DESIGN.md section 2). Flow matching x_t = (1 - s) x0 + s noise, the model predicts the
 velocity v; sampler sigmas go 1 = s_0 > s_1 > ... > s_N = 0 and step i maps x at s = s_i to x' at
@@ -98,6 +99,57 @@ def ode_step(velocity: Tensor, sample: Tensor, sigma: Sigma, sigma_next: Sigma) 
     x = sample.float()
     dt = _col(sigma_next, x.ndim, x.device) - _col(sigma, x.ndim, x.device)
     return x + dt * velocity.float()
+
+
+def dpm_solver_2m_step(
+    velocity: Tensor,
+    sample: Tensor,
+    sigma: float,
+    sigma_next: float,
+    *,
+    prev_velocity: Tensor | None = None,
+    prev_sample: Tensor | None = None,
+    sigma_prev: float | None = None,
+) -> Tensor:
+    """One deterministic DPM-Solver++(2M) step (Lu et al. 2022, the multistep midpoint form that
+    diffusers' DPMSolverMultistepScheduler takes for flow prediction), in float32: MixGRPO-Flash's
+    ODE after the window. In data prediction x0 = x - s v with alpha = 1 - s and lambda = log(alpha / s),
+    h = lambda' - lambda, r = (lambda - lambda_prev) / h:
+        x' = (s' / s) x - alpha' (e^-h - 1) [x0 + (x0 - x0_prev) / (2 r)]
+    First order (exactly an Euler step) without the previous step's (prev_velocity, prev_sample at
+    sigma_prev), from s_prev = 1 (lambda = -inf), and into s' = 0, as the scheduler's lower_order_final."""
+    if prev_velocity is None or sigma_prev is None or float(sigma_prev) >= 1.0 or float(sigma_next) <= 0.0:
+        return ode_step(velocity, sample, sigma, sigma_next)
+    s_prev, s, s_next = float(sigma_prev), float(sigma), float(sigma_next)
+    x, v = sample.float(), velocity.float()
+    x0 = x - s * v
+    x0_prev = prev_sample.float() - s_prev * prev_velocity.float()
+    lam = lambda t: math.log(1.0 - t) - math.log(t)  # noqa: E731
+    h = lam(s_next) - lam(s)
+    r = (lam(s) - lam(s_prev)) / h
+    phi = math.expm1(-h)  # e^-h - 1
+    return (s_next / s) * x - (1.0 - s_next) * phi * (x0 + (x0 - x0_prev) / (2.0 * r))
+
+
+def schedule_after_window(sigmas: Tensor, end: int, steps_fraction: float) -> Tensor:
+    """MixGRPO-Flash's shorter ODE after the window: sigmas[:end + 1] kept (the window and the steps
+    before it, as sampled and replayed), then max(1, round(steps_fraction * (N - end))) steps from
+    sigmas[end] down to 0 instead of N - end, on the same schedule (linear in the step index between
+    the family's own sigmas, which is linear in the unshifted time the shift maps). The public code
+    (Tencent-Hunyuan/MixGRPO, fastvideo/utils/sampling_utils.py, run_sample_step) re-shifts
+    `torch.linspace(post_time_step, 0, num_post_steps)` with num_post_steps =
+    int(max((N + 1 - 1 - last_sde_index) * dpm_post_compress_ratio, 1)) points."""
+    n = len(sigmas) - 1
+    if not 0 < steps_fraction <= 1:
+        raise ValueError(f"steps_fraction must be in (0, 1], got {steps_fraction}")
+    steps = max(1, round(steps_fraction * (n - end)))
+    if steps >= n - end:
+        return sigmas
+    tail = sigmas[end:].double()
+    at = torch.linspace(0, n - end, steps + 1, dtype=torch.float64)
+    lo = at.floor().long().clamp(max=n - end - 1)
+    post = tail[lo] + (at - lo) * (tail[lo + 1] - tail[lo])
+    return torch.cat([sigmas[:end], post.to(sigmas.dtype)])
 
 
 def kl_std(std: Tensor, sigma: Sigma, sigma_next: Sigma, sde_type: str) -> Tensor:

@@ -82,6 +82,11 @@ class RolloutConfig:
     sde_window_size: int = 0  # recorded stochastic steps; 0 = all but the last (original Flow-GRPO)
     sde_window_range: Optional[list[int]] = None  # [lo, hi) for the window; None = [0, num_steps-1)
     shared_initial_noise: bool = False  # one initial noise per group (DanceGRPO init_same_noise)
+    # MixGRPO-Flash: the ODE steps after the SDE window by euler or dpm2 (DPM-Solver++(2M)); the
+    # window and what the trainer replays are unchanged, only the final image costs fewer calls
+    after_window_solver: str = "euler"
+    # MixGRPO-Flash: the fraction of the steps after the window taken (at least one): 0.4 makes 8 steps 3
+    after_window_steps: float = 1.0
     # generate with the LoRA deltas folded into the base weights: the base model's speed (the
     # adapters' own matmuls cost 15 % on an H200); null: on where the policy computes in bf16/fp16
     # (GPUs), unless algorithm.is_correction=step or prox_mode=bypass (builders.should_fuse_lora says why)
@@ -494,6 +499,13 @@ def validate(c: Config) -> None:
     _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
     _choice(a.name, "algorithm.name", ALGORITHMS)
     _choice(r.sampler, "rollout.sampler", ("sde", "ode"))
+    _choice(r.after_window_solver, "rollout.after_window_solver", ("euler", "dpm2"))
+    _require(0 < r.after_window_steps <= 1, "rollout.after_window_steps", "must be in (0, 1]: the fraction of the steps after the window taken")
+    if (r.after_window_solver, r.after_window_steps) != ("euler", 1.0):
+        _require(r.sampler == "sde", "rollout.after_window_solver",
+                 "an ODE sampler has no SDE window to sample after; use euler and rollout.after_window_steps=1.0")
+        _require(r.engine == "diffusers", "rollout.after_window_solver",
+                 f"the {r.engine} engine takes every step by Euler; use euler and rollout.after_window_steps=1.0")
     algorithm = algorithms.ALGORITHMS[a.name]
     needs = {"sde": "the log-probs of an SDE window", "ode": "final latents of ODE samples"}[algorithm.SAMPLER]
     _require(r.sampler == algorithm.SAMPLER, "rollout.sampler", f"{a.name} trains on {needs}; use {algorithm.SAMPLER}")

@@ -35,12 +35,13 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def step_unheld(step: Callable, held: int, v: Tensor, x: Tensor, *args, **kwargs):
-    """`step` (algo.sde_step or algo.ode_step) on the latents after their first `held` frames
-    (dim 2), which it returns unchanged in front (a conditioning's fixed frames: Wan2.2 TI2V-5B's
-    first frame). sde_step's log-prob and mean then cover the sampled frames only."""
+    """`step` (algo.sde_step, algo.ode_step or algo.dpm_solver_2m_step) on the latents after their
+    first `held` frames (dim 2), which it returns unchanged in front (a conditioning's fixed frames:
+    Wan2.2 TI2V-5B's first frame). sde_step's log-prob and mean then cover the sampled frames only."""
     if not held:
         return step(v, x, *args, **kwargs)
-    kwargs = {k: t[:, :, held:] if k in ("noise", "prev_sample") and t is not None else t for k, t in kwargs.items()}
+    sliced = ("noise", "prev_sample", "prev_velocity")
+    kwargs = {k: t[:, :, held:] if k in sliced and t is not None else t for k, t in kwargs.items()}
     out = step(v[:, :, held:], x[:, :, held:], *args, **kwargs)
     if isinstance(out, Tensor):
         return torch.cat([x[:, :, :held], out], 2)
@@ -259,6 +260,8 @@ class DiffusionPolicy:
         window_size: int,
         window_range: tuple[int, int] | None = None,
         shared_initial_noise: bool = False,
+        after_window_solver: str = "euler",
+        after_window_steps: float = 1.0,
         seed: int,
         height: int | None = None,
         width: int | None = None,
@@ -276,6 +279,10 @@ class DiffusionPolicy:
         shared_initial_noise gives every sample of a group the same initial noise (DanceGRPO's
         init_same_noise): the group then differs only by the window's noise, the part the
         log-probs (and so the policy gradient) can credit, instead of mostly by where it started.
+        After the window (MixGRPO-Flash), `after_window_steps` < 1 takes that fraction of the
+        remaining steps (algo.schedule_after_window) and `after_window_solver` "dpm2" takes them by
+        DPM-Solver++(2M) instead of Euler: the recorded window is sampled and replayed as before,
+        the final image comes from fewer transformer calls.
         `version_fn()` is called before every denoising step, outside no_grad, and its value is
         stamped on that step if it is recorded: a rollout actor swaps in new weights there
         (in-flight update). Each group's time_generate_s is its share of the batch's wall time.
@@ -295,6 +302,12 @@ class DiffusionPolicy:
         gen = torch.Generator().manual_seed(seed)
         start, end = algo.sde_window(num_steps, window_size, window_range, generator=gen)
         sigmas = self.adapter.sigmas(num_steps, height=height, width=width)  # resolution-dependent shift
+        window_sigmas = sigmas[start : end + 1]
+        if after_window_solver not in ("euler", "dpm2"):
+            raise ValueError(f"after_window_solver must be euler or dpm2, got {after_window_solver!r}")
+        flash = end > start and (after_window_solver, after_window_steps) != ("euler", 1.0)
+        if flash:
+            sigmas = algo.schedule_after_window(sigmas, end, after_window_steps)
         enc = self._encode(prompts, metadata, cfg)
         per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
                       (enc.embeds, enc.pooled, enc.negative_embeds, enc.negative_pooled)]
@@ -309,11 +322,13 @@ class DiffusionPolicy:
         # step would synchronise an accelerator every step (each step's tensors are new ones, so
         # keeping references is safe)
         recorded, log_probs, versions, step_versions = [], [], [], []
-        for i in range(num_steps):
+        previous = {}  # the last step's input and velocity: DPM-Solver++(2M)'s second order after the window
+        for i in range(len(sigmas) - 1):
             version = int(version_fn())  # outside no_grad: the hook may copy new weights in
             step_versions.append(version)
             with torch.no_grad():
                 v = self._velocity(x, sigmas[i], *per_sample, guidance_scale=guidance_scale)
+                x_in = x
                 if start <= i < end:
                     if i == start:
                         recorded.append(x)
@@ -325,8 +340,12 @@ class DiffusionPolicy:
                     recorded.append(x)
                     log_probs.append(log_prob)
                     versions.append(version)
+                elif flash and i >= end and after_window_solver == "dpm2":
+                    x = step_unheld(algo.dpm_solver_2m_step, held, v, x, sigmas[i], sigmas[i + 1],
+                                    sigma_prev=sigmas[i - 1], **previous)
                 else:
                     x = step_unheld(algo.ode_step, held, v, x, sigmas[i], sigmas[i + 1])
+                previous = {"prev_velocity": v, "prev_sample": x_in}
         images = self.adapter.decode(x)
 
         n = group_size
@@ -335,7 +354,7 @@ class DiffusionPolicy:
             # DiffusionNFT trains on (and evaluation ignores it)
             recorded, versions, recorded_sigmas = [x], step_versions, sigmas[-1:]
         else:
-            recorded_sigmas = sigmas[start : end + 1]
+            recorded_sigmas = window_sigmas
         all_latents = torch.stack(recorded, 1).cpu()
         all_logp = torch.stack(log_probs, 1).cpu() if log_probs else torch.empty(x.shape[0], 0)
         params = SamplingParams(

@@ -20,6 +20,8 @@ def rollout_sampling(r: RolloutConfig) -> dict:
         window_size=0 if r.sampler == "ode" else r.sde_window_size or r.num_steps - 1,  # 0: ODE, final latent
         window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
         shared_initial_noise=r.shared_initial_noise,
+        after_window_solver=r.after_window_solver,
+        after_window_steps=r.after_window_steps,
         height=r.resolution or None,
         width=r.resolution or None,
     )

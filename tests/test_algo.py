@@ -179,6 +179,45 @@ def test_ode_step(s, s_next, _):
     close(out, x + (col64(s_next) - col64(s)) * v)
 
 
+def test_dpm_solver_2m_steps_as_diffusers_multistep_scheduler_does_for_flow_prediction():
+    """MixGRPO-Flash's solver against diffusers' DPMSolverMultistepScheduler (DPM-Solver++, order 2,
+    midpoint, flow prediction, shifted flow sigmas) stepping the same velocity field from the same
+    latents: first order at the first and the last step, second order between."""
+    from diffusers import DPMSolverMultistepScheduler
+
+    scheduler = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0, algorithm_type="dpmsolver++",
+        solver_order=2, solver_type="midpoint", lower_order_final=True, final_sigmas_type="zero")
+    scheduler.set_timesteps(8)
+    sigmas = scheduler.sigmas.tolist()
+
+    def velocity(x, s):  # nonlinear in x and s, so a second-order step differs from a first-order one
+        return torch.sin(3 * x) * (1 + s) - 0.5 * x
+
+    ours = theirs = rand(*SHAPE, seed=28).float()
+    previous, euler = {}, ours
+    for i, t in enumerate(scheduler.timesteps):
+        theirs = scheduler.step(velocity(theirs, sigmas[i]), t, theirs).prev_sample
+        v = velocity(ours, sigmas[i])
+        ours, previous = algo.dpm_solver_2m_step(v, ours, sigmas[i], sigmas[i + 1], sigma_prev=sigmas[i - 1] if i else None,
+                                                 **previous), {"prev_velocity": v, "prev_sample": ours}
+        euler = algo.ode_step(velocity(euler, sigmas[i]), euler, sigmas[i], sigmas[i + 1])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    assert (ours - euler).abs().max() > 1e-2  # not Euler in disguise
+
+
+def test_schedule_after_window_keeps_the_window_and_takes_fewer_steps_to_zero():
+    sigmas = torch.tensor([1.0, 0.9, 0.8, 0.6, 0.4, 0.3, 0.2, 0.1, 0.05, 0.02, 0.0])
+    flash = algo.schedule_after_window(sigmas, 2, 0.4)  # 8 steps after a window ending at step 2: 3
+    assert torch.equal(flash[:3], sigmas[:3]) and len(flash) == 3 + 3 and flash[-1] == 0
+    assert (flash[1:] < flash[:-1]).all()
+    assert torch.allclose(flash[3:5], torch.tensor([0.3 + (0.4 - 0.3) / 3, 0.1 - (0.1 - 0.05) / 3]))
+    assert torch.equal(algo.schedule_after_window(sigmas, 9, 0.4), sigmas)  # one step left: kept
+    assert len(algo.schedule_after_window(sigmas, 2, 0.01)) == 3 + 1  # at least one step
+    with pytest.raises(ValueError, match="steps_fraction"):
+        algo.schedule_after_window(sigmas, 2, 0.0)
+
+
 # ---- KL ----
 
 

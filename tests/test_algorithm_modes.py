@@ -1,4 +1,5 @@
-"""Each added algorithm (AWM, MixGRPO, GRPO-Guard, by their shipped config files) for 3 steps in
+"""Each added algorithm (AWM, MixGRPO, GRPO-Guard, by their shipped config files; MixGRPO-Flash's
+rollouts in MixGRPO's one_step_off run) for 3 steps in
 sync, one_step_off and fully_async through the Ray pipeline on 2 cores, on the embedded SD3 model
 and the tiny Qwen-Image twin: the run finishes, every step trains with a finite loss, the
 algorithm's own metrics are there, staleness stays within the mode's bound. A run costs about 40 s
@@ -67,6 +68,8 @@ def test_three_steps_train_in_every_mode(ray_cluster, model_dirs, tmp_path, file
     # all but the last of the 4 steps
     extra = {"mixgrpo": ["algorithm.flow_grpo.window_shift_every=1"], "grpo_guard": ["rollout.sde_window_size=0"],
              "dgpo": ["algorithm.dgpo.timesteps=2"]}  # of the 3 levels 0.6 of 4 steps leaves
+    if (file, mode) == ("mixgrpo", "one_step_off"):  # MixGRPO-Flash's rollouts (its ODE after the window) on Ray
+        extra["mixgrpo"] = [os.path.join(CONFIG_DIR, "mixgrpo_flash.yaml"), *extra["mixgrpo"]]
     cfg = small_config(file, mode, family, model_dirs[family], tmp_path, *extra.get(file, []))
     run(cfg)
     with open(os.path.join(cfg.trainer.output_dir, "metrics.jsonl")) as f:

@@ -116,6 +116,31 @@ def test_rollout_sampling_places_the_window_by_the_version_held(tiny_model_dir):
     assert algorithms.rollout_sampling(plain.algorithm, base, 125) is base  # flow_grpo without it: unchanged
 
 
+def test_flash_samples_the_same_window_with_fewer_transformer_calls(tiny_model_dir):
+    """config/mixgrpo_flash.yaml: the window (its latents, log-probs, sigmas) is what MixGRPO samples
+    from the same seed, so the trainer replays it as before; the 6 Euler steps after a window ending at
+    step 4 become 2 DPM-Solver++(2M) steps (0.4 of them): 6 transformer calls of 10 instead of 10."""
+    from async_flowgrpo.sampling import rollout_sampling
+
+    flash_cfg = load_config("sync", [f"model.path={tiny_model_dir}", os.path.join(CONFIG_DIR, "mixgrpo_flash.yaml")])
+    flash = {**rollout_sampling(flash_cfg.rollout), "window_range": (2, 4), "window_size": 2}
+    plain = {**flash, "after_window_solver": "euler", "after_window_steps": 1.0}
+    policy = DiffusionPolicy(tiny_model_dir, lora_rank=4, lora_alpha=8)
+    calls = []
+    velocity = policy.adapter.velocity
+    policy.adapter.velocity = lambda *a, **k: calls.append(a[1]) or velocity(*a, **k)
+    a = policy.generate(PROMPTS, 2, seed=3, **plain)
+    assert len(calls) == 10
+    calls.clear()
+    b = policy.generate(PROMPTS, 2, seed=3, **flash)
+    assert len(calls) == 4 + 2 and float(calls[-1]) > 0  # steps 0-3, then 2 to sigma 0
+    for ga, gb in zip(a, b):
+        for field in ("latents", "log_probs", "sigmas", "versions"):
+            assert torch.equal(getattr(ga, field), getattr(gb, field)), field
+        assert gb.params == ga.params and gb.images.shape == ga.images.shape
+        assert not torch.equal(ga.images, gb.images)  # a different ODE made the final image
+
+
 # ---------------------------------------------------------------- GRPO-Guard
 
 

@@ -66,3 +66,20 @@ def test_run_cost_counts_an_actor_process_that_is_gone_by_the_end_under_its_role
     cpu = counter.stop()
     assert 0.3 <= cpu["rollout"] <= 2.0, cpu  # 0.5 s burnt, less the last sample interval's share
     assert cpu["trainer"] == cpu["queue"] == 0.0
+
+
+def test_rollout_time_compares_settings_of_one_model_by_their_transformer_calls(tiny_model_dir, tmp_path):
+    """benchmarks/rollout_time.py on the tiny SD3 (one round, one group): MixGRPO against
+    MixGRPO-Flash, the window at steps 0-1 (version 0): 10 transformer calls against 2 + 3."""
+    from async_flowgrpo.config import CONFIG_DIR
+
+    rollout_time = load_benchmark("rollout_time")
+    files = [f"{CONFIG_DIR}/{name}.yaml model.path={tiny_model_dir} rollout.group_size=2" for name in ("mixgrpo", "mixgrpo_flash")]
+    result = rollout_time.main([*files, "--prompts", "1", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    plain, flash = result["rows"]
+    assert (plain["transformer_calls"], flash["transformer_calls"]) == (10, 5)
+    assert plain["vs_first"] == 1.0 and len(flash["seconds_per_group"]) == 1 and flash["median_s"] > 0
+    assert flash["sampling"]["after_window_solver"] == "dpm2" and flash["sampling"]["window_range"] == (0, 2)
+    assert (tmp_path / "r.json").exists()
+    with pytest.raises(SystemExit, match="same model"):
+        rollout_time.main([files[0], f"{CONFIG_DIR}/mixgrpo.yaml", "--rounds", "1"])

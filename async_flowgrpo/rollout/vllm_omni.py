@@ -689,13 +689,18 @@ class VllmOmniEngine:
         window_size: int,
         window_range: tuple[int, int] | None = None,
         shared_initial_noise: bool = False,
+        after_window_solver: str = "euler",
+        after_window_steps: float = 1.0,
         height: int | None = None,
         width: int | None = None,
         prompt_indices: list[int] | None = None,
         metadata: list[dict] | None = None,
     ) -> list[Group]:
         """n samples for each prompt (one vllm-omni request each, run concurrently), one Group per
-        prompt, every step stamped with the version the request was submitted with."""
+        prompt, every step stamped with the version the request was submitted with. Every step is
+        the engine's own (config.validate refuses MixGRPO-Flash's after_window_* here)."""
+        if (after_window_solver, after_window_steps) != ("euler", 1.0):
+            raise ValueError("the vllm_omni engine takes every step after the window by Euler")
         self.apply_staged()
         version = self._version
         requests = build_requests(
