@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -38,15 +39,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# the families whose diffusers transformer has a `_cp_plan` (SD3's has none)
-FAMILIES = ("flux", "qwen_image", "wan")
+# the families whose diffusers transformer has a `_cp_plan` (SD3's has none). The edit models join
+# their input images' tokens after the noisy ones (Kontext, Qwen-Image-Edit: `torch.cat([x, tokens], 1)`
+# before the transformer), so the plan splits the joined sequence; Wan's image to video conditions
+# on channels or a held first frame, not on more tokens.
+FAMILIES = ("flux", "flux_kontext", "qwen_image", "qwen_image_edit", "qwen_image_edit_plus", "wan")
 
 
 def split_token_counts(model_dir: str, family: str, resolution: int, num_frames: int) -> dict[str, int]:
     """What the family's `_cp_plan` splits over a sequence group, by name, in tokens per sample,
     read from the model's JSON files without loading it (config validation): the image or video
-    tokens, and Flux's text tokens (Qwen-Image pads its text to a multiple itself, Wan's is not
-    split). resolution / num_frames 0: the model's own, as the adapters and pipelines default."""
+    tokens, Flux's text tokens (Qwen-Image pads its text to a multiple itself, Wan's is not split)
+    and an edit model's tokens of one input image (the split sequence holds the output's and each
+    input's: each count divisible makes their sum divisible). Kontext's input images have the
+    output's size (the prompt file check); Qwen-Image-Edit resizes each to `vae_image_area` at the
+    output's (square) aspect, to multiples of 32 (diffusers' calculate_dimensions).
+    resolution / num_frames 0: the model's own, as the adapters and pipelines default."""
     from async_flowgrpo.models import video_frames
     from async_flowgrpo.models.common import read_model_settings
 
@@ -62,7 +70,8 @@ def split_token_counts(model_dir: str, family: str, resolution: int, num_frames:
         factor, default = vae.get("scale_factor_spatial", 8), 480  # WanAdapter.default_resolution
         patch_t, patch_h, patch_w = read("transformer").get("patch_size", (1, 2, 2))
     else:  # Flux and Qwen-Image pack 2 x 2 latents; their pipelines' vae_scale_factor, default_sample_size 128
-        blocks = len(vae["block_out_channels"]) - 1 if family == "flux" else len(vae.get("temperal_downsample", [0] * 3))
+        flux = family.startswith("flux")
+        blocks = len(vae["block_out_channels"]) - 1 if flux else len(vae.get("temperal_downsample", [0] * 3))
         factor, default, patch_t, patch_h, patch_w = 2 ** blocks, 128 * 2 ** blocks, 1, 2, 2
     side = (resolution or settings.get("resolution") or default) // factor
     frames = 1
@@ -70,8 +79,11 @@ def split_token_counts(model_dir: str, family: str, resolution: int, num_frames:
         count, temporal = video_frames(model_dir, num_frames)
         frames = (count - 1) // temporal + 1
     counts = {"image tokens": (frames // patch_t) * (side // patch_h) * (side // patch_w)}
-    if family == "flux":
+    if family.startswith("flux"):
         counts["text tokens"] = settings.get("max_sequence_length", 512)  # FluxAdapter.default_max_sequence_length
+    if family.startswith("qwen_image_edit"):  # QwenImageEditAdapter.vae_image_area
+        input_side = round(math.sqrt(settings.get("vae_image_area", 1024 * 1024)) / 32) * 32 // factor
+        counts["tokens of an input image"] = (input_side // patch_h) * (input_side // patch_w)
     return counts
 
 

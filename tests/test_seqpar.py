@@ -3,7 +3,8 @@ the same batch. The update must be the same: the loss and the LoRA gradients (af
 reduce) equal within fp32 tolerance, for Flow-GRPO (with its KL term) and DiffusionNFT, on the Wan
 twin (3 latent frames: 192 tokens) and the Flux twin (64 image + 8 text tokens), Flow-GRPO on the
 Qwen-Image twin (its text trimmed per batch, padded to an even length and masked under the split,
-with CFG's shorter negative prompt), on the Wan2.2 A14B twin (two experts, one of them trained), and
+with CFG's shorter negative prompt), on the Wan2.2 A14B twin (two experts, one of them trained), on
+the FLUX.1 Kontext and Qwen-Image-Edit twins (an input image's tokens joined to the split sequence), and
 with FSDP sharding the weights over the same ranks. The gradients are summed over the group (async_flowgrpo.seqpar); the test also
 shows that a mean, the data-parallel rule, would be wrong (half of them).
 """
@@ -19,8 +20,11 @@ import torch.multiprocessing as mp
 from async_flowgrpo import fsdp, seqpar
 from async_flowgrpo.builders import build_learner
 from async_flowgrpo.config import ConfigError, load_config
+from async_flowgrpo.conditioning import SOURCE_IMAGES
 from async_flowgrpo.models.tiny_flux import make_tiny_flux_dir
+from async_flowgrpo.models.tiny_kontext import make_tiny_kontext_dir
 from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
+from async_flowgrpo.models.tiny_qwen_image_edit import make_tiny_qwen_image_edit_dir
 from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
 
 torch.set_num_threads(1)
@@ -32,9 +36,11 @@ STEPS = 4
 # split all the same (it runs steps 2-3 of every sample)
 CASES = [("wan", "flow_grpo", False), ("wan", "diffusion_nft", False), ("flux", "flow_grpo", False),
          ("flux", "diffusion_nft", False), ("qwen_image", "flow_grpo", False), ("wan", "flow_grpo", True),
-         ("wan22", "flow_grpo", False)]
-FAMILY = {"wan22": "wan"}
-EXTRA = {"wan22": ("model.trained_experts=[transformer]",)}
+         ("wan22", "flow_grpo", False), ("kontext", "flow_grpo", False), ("qwen_edit", "flow_grpo", False)]
+FAMILY = {"wan22": "wan", "kontext": "flux_kontext", "qwen_edit": "qwen_image_edit"}
+EDITS = ("kontext", "qwen_edit")  # an input image's tokens joined to the split sequence
+EDIT_PROMPTS = ("rollout.prompts=shapes_edit_train", "eval.prompts=shapes_edit_eval", "rollout.prompt_mix=null")
+EXTRA = {"wan22": ("model.trained_experts=[transformer]",), "kontext": EDIT_PROMPTS, "qwen_edit": EDIT_PROMPTS}
 
 
 def case_config(model_dir, twin, algorithm, *extra):
@@ -49,8 +55,13 @@ def case_config(model_dir, twin, algorithm, *extra):
 def make_groups(learner, twin, algorithm):
     nft = algorithm == "diffusion_nft"
     window = {"window_size": 2, "window_range": (0, 2)} if twin == "wan22" else {"window_size": 0 if nft else 2}
+    sources = None
+    if twin in EDITS:  # a square of one colour on white, of the output's size
+        side = learner.policy.adapter.resolution
+        sources = [{SOURCE_IMAGES: [torch.full((side, side, 3), 255, dtype=torch.uint8).index_fill_(0, torch.arange(8, 16), k * 90)]}
+                   for k in (1, 2)]
     groups = learner.policy.generate(["a red circle", "a blue square"], 2, num_steps=STEPS, guidance_scale=1.0 if nft else 3.0,
-                                     noise_level=0.7, sde_type="sde", seed=0, **window)
+                                     noise_level=0.7, sde_type="sde", seed=0, metadata=sources, **window)
     rewards = torch.tensor([0.1, 0.7, 0.4, 0.2])
     adv = torch.tensor([1.0, -0.5, 0.3, 0.8])  # not zero-mean: Flow-GRPO's loss at ratio 1 is -mean(A), not 0
     for k, g in enumerate(groups):
@@ -98,7 +109,9 @@ def model_dirs(tmp_path_factory):
     return {"wan": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan"))),
             "flux": make_tiny_flux_dir(str(tmp_path_factory.mktemp("flux"))),
             "qwen_image": make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen_image"))),
-            "wan22": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan22")), "wan22_a14b")}
+            "wan22": make_tiny_wan_dir(str(tmp_path_factory.mktemp("wan22")), "wan22_a14b"),
+            "kontext": make_tiny_kontext_dir(str(tmp_path_factory.mktemp("kontext"))),
+            "qwen_edit": make_tiny_qwen_image_edit_dir(str(tmp_path_factory.mktemp("qwen_edit")))}
 
 
 @pytest.mark.slow  # 2 spawned processes, 7 model loads each: about 60 s on 2 cores
@@ -182,3 +195,15 @@ def test_a_two_rank_sequence_group_trains_in_every_mode(ray_cluster, model_dirs,
         assert rows[-1]["samples/consumed"] == 2 * 4 and all(r["samples/trained"] == 4 for r in rows), mode
         fresh = [r for r in rows if r["staleness/mean"] == 0]
         assert fresh and all(r["logp/max_abs_diff"] < 1e-4 for r in fresh), mode
+
+
+def test_an_edit_models_split_counts_the_output_and_each_input_image(model_dirs):
+    """Config validation's counts: Kontext's input images have the output's size (its image tokens
+    stand for both), Qwen-Image-Edit's are resized to the model's vae_image_area (the twin's: 32 x 32)."""
+    assert seqpar.split_token_counts(model_dirs["kontext"], "flux_kontext", 0, 0) == \
+        seqpar.split_token_counts(model_dirs["flux"], "flux", 0, 0) == {"image tokens": 64, "text tokens": 8}
+    assert seqpar.split_token_counts(model_dirs["qwen_edit"], "qwen_image_edit", 0, 0) == \
+        {"image tokens": 64, "tokens of an input image": 64}
+    # a larger output: its tokens grow, an input image's stay at the area's
+    assert seqpar.split_token_counts(model_dirs["qwen_edit"], "qwen_image_edit", 64, 0) == \
+        {"image tokens": 256, "tokens of an input image": 64}
