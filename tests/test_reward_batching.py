@@ -117,3 +117,14 @@ def test_a_long_run_keeps_no_per_batch_history():
         assert batcher.submit(i, 1) == i
     held = [v for v in vars(batcher).values() if isinstance(v, (list, dict, set, deque))]
     assert all(len(v) < 10 for v in held)
+
+
+def test_a_reward_error_survives_the_pickling_that_carries_it_out_of_a_reward_actor():
+    """A reward actor's RewardError reaches the rollout through Ray, pickled: it must come back as
+    itself, so the pool skips the group (it came back as Ray's UnserializableException, which ended
+    the run)."""
+    import pickle
+
+    error = pickle.loads(pickle.dumps(RewardError("remote", "malformed response: non-finite score")))
+    assert isinstance(error, RewardError) and error.name == "remote"
+    assert str(error) == "reward 'remote' failed: malformed response: non-finite score"

@@ -1,8 +1,9 @@
 """Rewards scored while the next group generates (reward.overlap), end to end on Ray with the tiny
 model: the same rewards as the blocking path, and the failure semantics kept (a failed, timed-out
 or lost score skips its group, counted, never trained on, never scored twice; a stop with groups
-waiting for a score loses nothing a resume cannot regenerate). The failure cases that need no new
-machinery (a reward that raises, NaN/inf or a wrong number of scores, a timeout) run in
+waiting for a score loses nothing a resume cannot regenerate). A reward service's every kind of bad
+answer (NaN, inf, a wrong number of scores, a hang, a lost worker) is one run per mode here; a
+reward that raises inside the rollout, and rewards that fail until the run stops, run in
 tests/test_run.py, whose runs take the overlap default."""
 
 import json
@@ -60,38 +61,68 @@ def test_sync_gives_the_same_rewards_step_for_step_with_overlap_on_and_off(ray_c
         assert r["reward/pending"] == 0 and r["reward/latency_s"] > 0 and 0 <= r["perf/reward_wait_frac"] <= 1
 
 
+# What the reward service of the next test does with each prompt's groups
+MISBEHAVING = {"a blue square": "NaN", "a red circle": "an inf", "a red square": "one score short",
+               "a green circle": "hangs past reward.timeout_s once", "a green square": "kills the reward actor once"}
+WELL_SCORED = ["a blue circle", "a red triangle", "a blue triangle"]
+
+
 @pytest.mark.parametrize("mode", ["sync", "fully_async"])
-def test_a_reward_worker_killed_mid_call_skips_that_group_once_and_the_run_goes_on(
-        ray_cluster, tiny_model_dir, prompt_file, tmp_path, mode):
-    """reward.num_workers=1: the reward actor's process dies while it scores "a blue square" (the
-    first time only); that group is skipped and counted, the actor comes back for the next groups,
-    and no group is sent for scoring twice."""
+def test_a_reward_service_answering_nan_inf_too_few_scores_hanging_or_losing_its_worker_skips_those_groups_only(
+        ray_cluster, tiny_model_dir, tmp_path, mode):
+    """reward.num_workers=1, reward.timeout_s=3 (MISBEHAVING): NaN, an inf or one score short for a
+    prompt's every group; a hang past the timeout (the pool kills the actor) and the reward actor's
+    process killed mid-call, each the first time only: the actor comes back for the next groups.
+    Each failed group is skipped and counted, the run goes on, only well-scored groups are trained
+    on (no NaN, inf or 1.0 reaches a batch), no group is sent for scoring twice, and the rollout
+    actor never restarts. (One run per mode for what were three: starting the actors is most of a
+    run's cost.)"""
     requests, killed = [], []
 
     def handle(prompts, client_port):
-        requests.append(prompts[0])
-        if prompts[0] == "a blue square" and not killed:
+        prompt, n = prompts[0], len(prompts)
+        first = prompt not in requests
+        requests.append(prompt)
+        kind = MISBEHAVING.get(prompt, "")
+        if kind == "NaN":
+            return [float("nan")] * n
+        if kind == "an inf":
+            return [float("inf")] + [1.0] * (n - 1)
+        if kind == "one score short":
+            return [1.0] * (n - 1)
+        if kind.startswith("hangs") and first:
+            time.sleep(8)
+        if kind.startswith("kills") and first:
             pid = next(c.pid for c in psutil.net_connections("tcp")
                        if c.pid and c.laddr == ("127.0.0.1", client_port) and c.raddr and c.raddr[1] == server_port[0])
             killed.append(pid)
             os.kill(pid, signal.SIGKILL)
-        return [0.5] * len(prompts)
+        return [0.5] * n
 
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join([*MISBEHAVING, *WELL_SCORED]) + "\n")
     server, url = scoring_server(handle)
     server_port = [server.server_address[1]]
+    per_step = 8 if mode == "sync" else 4  # sync: every prompt once a step
     try:
-        run(small_config(mode, tiny_model_dir, prompt_file, str(tmp_path), "trainer.total_steps=2", "rollout.groups_per_step=4",
-                         "reward.num_workers=1", "reward.cpus_per_worker=0.1", *remote(url)))
+        run(small_config(mode, tiny_model_dir, str(prompts), str(tmp_path / "run"), "trainer.total_steps=2",
+                         f"rollout.groups_per_step={per_step}", "reward.num_workers=1", "reward.cpus_per_worker=0.1",
+                         "reward.timeout_s=3", "reward.max_consecutive_failures=50", *remote(url)))
     finally:
         server.shutdown()
-    rows = read_metrics(str(tmp_path))
+    rows = read_metrics(str(tmp_path / "run"))
     last = rows[-1]
     assert killed and len(rows) == 2 and last["rollout/restarts"] == 0  # the reward actor died, not the rollout
-    assert last["rewards/errors"] >= 1 and last["rewards/skipped_groups"] == last["rewards/errors"]
+    assert last["rewards/errors"] >= 5 and last["rewards/skipped_groups"] == last["rewards/errors"]
+    assert all(r["reward/mean"] == 0.5 for r in rows)  # no NaN, inf or 1.0 reached a batch
     assert last["samples/consumed"] == sum(r["samples/trained"] for r in rows)
-    if mode == "sync":  # 2 steps x 4 groups, each sent at most once (not at all when the actor was down)
-        assert len(requests) <= 8 and requests.count("a blue square") <= 2
-        assert last["samples/consumed"] == (8 - last["rewards/errors"]) * 2
+    if mode == "sync":  # 2 steps x 8 groups, each sent at most once (not at all while the actor was down);
+        # the first step loses its 5 misbehaving groups, the second the 3 that misbehave every time
+        assert len(requests) <= 16 and all(requests.count(p) <= 2 for p in MISBEHAVING)
+        assert last["rewards/errors"] >= 8
+        assert last["samples/consumed"] == (16 - last["rewards/errors"]) * 2
+    else:  # every batch full of well-scored groups
+        assert last["samples/consumed"] == 2 * 4 * 2
 
 
 def test_a_reward_actor_scores_groups_of_two_rollout_workers_in_one_request(ray_cluster, tiny_model_dir, prompt_file, tmp_path):

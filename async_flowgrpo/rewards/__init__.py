@@ -52,7 +52,13 @@ class RewardError(RuntimeError):
 
     def __init__(self, name: str, message: str):
         super().__init__(f"reward '{name}' failed: {message}")
-        self.name = name
+        self.name, self.message = name, message
+
+    def __reduce__(self):
+        # raised in a reward actor (reward.num_workers), it crosses Ray pickled: without this, pickle
+        # would call RewardError(<the formatted line>) and Ray could not rebuild it, so a NaN score
+        # or a raising reward in the pool ended the run instead of skipping its group
+        return type(self), (self.name, self.message)
 
 
 def register_reward(name: str, fn: RewardFn | None = None, *, video: bool = False):
