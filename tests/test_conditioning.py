@@ -190,6 +190,9 @@ def test_the_reward_receives_the_source_images(kontext_dir, edit_prompts):
     for meta in metadata:
         assert np.array_equal(meta[SOURCE_IMAGES][0].numpy(), expected)
     assert group.pooled_prompt_embeds.numel() > 32  # the image tokens travel in the group's conditioning
+    # what generating a group took, since the last report (then nothing new to report)
+    assert worker.stats()["perf/generate_s_per_group"] == group.time_generate_s > 0
+    assert "perf/generate_s_per_group" not in worker.stats()
 
 
 def test_remote_reward_gets_source_images_as_a_field():

@@ -120,6 +120,8 @@ def test_every_mode_writes_outputs_and_steps_versions(runs, mode):
                 "perf/samples_per_s", "perf/trainer_idle_frac", "perf/rollout_idle_frac",
                 "samples/produced", "samples/consumed", "queue/size", "driver/bytes_per_step"):
         assert key in rows[-1], key
+    assert all(r["perf/generate_s_per_group"] > 0 for r in rows if "perf/generate_s_per_group" in r)
+    assert any("perf/generate_s_per_group" in r for r in rows)  # a step with no new group leaves it out
     # the rollout's log-probs against the trainer's: logged on a step that trains fresh samples
     fresh = [r for r in rows if r["staleness/mean"] == 0]
     assert fresh and all(r["logp/max_abs_diff"] < 1e-5 for r in fresh)
