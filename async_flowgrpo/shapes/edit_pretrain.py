@@ -1,7 +1,10 @@
 """Pretrain the embedded edit model (a tiny FLUX.1 Kontext: Flux architecture, the source image's
 tokens joined to the sequence) on procedural edit pairs.
 
-    python -m async_flowgrpo.shapes.edit_pretrain --out async_flowgrpo/assets/shapes_edit [--steps 3000]
+    python -m async_flowgrpo.shapes.edit_pretrain --out async_flowgrpo/assets/shapes_edit [--steps 6000]
+
+The shipped model is its 6,000-step default: 28.6 CPU minutes, held-out edit accuracy 0.625 by its
+own evaluation (1,000 steps: 0.153; 3,000: 0.472).
 
 On CPU, one torch thread by default (see shapes/pretrain.py for why). Stages:
  1. draw a pool of (source, instruction, target) pairs from the *train* instructions
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=int, default=12000)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--minutes", type=float, default=0.0, help="optional wall-clock cap on the training stage")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
