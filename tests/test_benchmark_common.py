@@ -75,9 +75,10 @@ def test_rollout_time_compares_settings_of_one_model_by_their_transformer_calls(
 
     rollout_time = load_benchmark("rollout_time")
     files = [f"{CONFIG_DIR}/{name}.yaml model.path={tiny_model_dir} rollout.group_size=2" for name in ("mixgrpo", "mixgrpo_flash")]
-    result = rollout_time.main([*files, "--prompts", "1", "--rounds", "1", "--out", str(tmp_path / "r.json")])
+    result = rollout_time.main([*files, "--prompts", "1", "--rounds", "1", "--reward", "--out", str(tmp_path / "r.json")])
     plain, flash = result["rows"]
     assert (plain["transformer_calls"], flash["transformer_calls"]) == (10, 5)
+    assert plain["groups_scored"] == flash["groups_scored"] == 2 and 0 <= flash["mean_reward"] <= 1  # warm-up + 1 round
     assert plain["vs_first"] == 1.0 and len(flash["seconds_per_group"]) == 1 and flash["median_s"] > 0
     assert flash["sampling"]["after_window_solver"] == "dpm2" and flash["sampling"]["window_range"] == (0, 2)
     assert (tmp_path / "r.json").exists()
