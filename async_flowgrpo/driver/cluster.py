@@ -62,15 +62,20 @@ def init_ray(cfg: Config) -> None:
             # ray.shutdown waits this long to send task events (observability only) to a GCS that a
             # signal may have stopped (default 5 s)
             os.environ.setdefault("RAY_task_events_shutdown_flush_timeout_ms", "1000")
-            ray.init(
-                # "local": never a cluster that `ray start` left on this machine (Ray's default would join
-                # it, and refuse num_cpus there)
-                address="local",
-                num_cpus=cfg.ray.num_cpus or os.cpu_count(),
-                num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
-                include_dashboard=False,
-                log_to_driver=to_console,
-            )
+            try:
+                ray.init(
+                    # "local": never a cluster that `ray start` left on this machine (Ray's default would
+                    # join it, and refuse num_cpus there)
+                    address="local",
+                    num_cpus=cfg.ray.num_cpus or os.cpu_count(),
+                    num_gpus=cfg.ray.num_gpus if cfg.ray.num_gpus is not None else torch.cuda.device_count(),
+                    include_dashboard=False,
+                    log_to_driver=to_console,
+                )
+            except Exception as e:  # Ray's own start failed: "The current node timed out during startup"
+                # on an overloaded machine (a signal is a KeyboardInterrupt, not caught here)
+                raise RunError(f"could not start a local Ray: {str(e).splitlines()[0]} (nothing was trained; "
+                               "run the command again)") from None
 
 
 # The keeper of the process group that holds the Ray this process started (see _ray_in_its_own_group),
