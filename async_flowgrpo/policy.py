@@ -305,8 +305,7 @@ class DiffusionPolicy:
         window_sigmas = sigmas[start : end + 1]
         if after_window_solver not in ("euler", "dpm2"):
             raise ValueError(f"after_window_solver must be euler or dpm2, got {after_window_solver!r}")
-        flash = end > start and (after_window_solver, after_window_steps) != ("euler", 1.0)
-        if flash:
+        if end > start:  # unchanged at after_window_steps 1.0
             sigmas = algo.schedule_after_window(sigmas, end, after_window_steps)
         enc = self._encode(prompts, metadata, cfg)
         per_sample = [t.repeat_interleave(group_size, 0) if t is not None else None for t in
@@ -340,7 +339,7 @@ class DiffusionPolicy:
                     recorded.append(x)
                     log_probs.append(log_prob)
                     versions.append(version)
-                elif flash and i >= end and after_window_solver == "dpm2":
+                elif after_window_solver == "dpm2" and i >= end > start:
                     x = step_unheld(algo.dpm_solver_2m_step, held, v, x, sigmas[i], sigmas[i + 1],
                                     sigma_prev=sigmas[i - 1], **previous)
                 else:
