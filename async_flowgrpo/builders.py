@@ -124,7 +124,7 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
     # what every algorithm's learner takes: the optimizer, batching and the data-parallel reduce
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
-                                 warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio)
+                                 warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio, decay_steps=t.lr_decay_steps)
     shared = dict(lr=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.max_grad_norm, adv_clip=a.adv_clip,
                   beta=a.beta, micro_batch_size=t.micro_batch_size, mini_batches=t.mini_batches,
                   grad_all_reduce=grad_all_reduce, lr_schedule=schedule)

@@ -119,6 +119,10 @@ class TrainerConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_min_ratio: float = 0.0
+    # the step at which the decay reaches lr * lr_min_ratio and stays (0: total_steps). Set, a longer
+    # run keeps the same pace of decay instead of stretching it (AWM's collapse needs the lr low by
+    # about step 200, whatever total_steps is)
+    lr_decay_steps: int = 0
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0
     # rows per transformer call in the trainer (what bounds its activation memory): (sample, step) pairs
@@ -443,6 +447,8 @@ def validate(c: Config) -> None:
     _require(t.lr_schedule in LR_SCHEDULES, "trainer.lr_schedule", f"must be one of {', '.join(LR_SCHEDULES)}")
     _require(t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
     _require(0 <= t.lr_min_ratio <= 1, "trainer.lr_min_ratio", "must be in [0, 1]")
+    _require(t.lr_decay_steps == 0 or t.lr_decay_steps > t.warmup_steps, "trainer.lr_decay_steps",
+             "must be 0 (decay until total_steps) or > trainer.warmup_steps")
     _require(t.weight_decay >= 0, "trainer.weight_decay", "must be >= 0")
     _require(t.max_grad_norm > 0, "trainer.max_grad_norm", "must be > 0")
     _require(t.micro_batch_size >= 1, "trainer.micro_batch_size", "must be >= 1")

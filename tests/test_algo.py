@@ -583,5 +583,9 @@ def test_lr_factor_warmup_then_decay():
     assert all(a >= b for a, b in zip(values, values[1:]))  # monotone after the warm-up
     assert algo.lr_factor(55, schedule="linear", total_steps=100) == pytest.approx(0.45)
     assert {algo.lr_factor(s, schedule="constant", total_steps=100) for s in range(100)} == {1.0}
+    # a fixed decay horizon: the 110-step cosine's pace in a 600-step run, then held at its floor
+    fixed = dict(cos, total_steps=600, decay_steps=110)
+    assert [algo.lr_factor(s, **fixed) for s in range(0, 111)] == [algo.lr_factor(s, **cos) for s in range(0, 111)]
+    assert all(algo.lr_factor(s, **fixed) == pytest.approx(0.1) for s in range(110, 600))
     with pytest.raises(ValueError, match="lr schedule"):
         algo.lr_factor(0, schedule="step")

@@ -71,6 +71,7 @@ BAD_CONFIGS = [
     (["trainer.lr_schedule=step"], "trainer.lr_schedule"),
     (["trainer.warmup_steps=-1"], "trainer.warmup_steps"),
     (["trainer.lr_min_ratio=1.5"], "trainer.lr_min_ratio"),
+    (["trainer.lr_decay_steps=5", "trainer.warmup_steps=10"], "trainer.lr_decay_steps"),
     (["trainer.resume=/no/such/run"], "trainer.resume"),
     (["trainer.max_grad_norm=0"], "trainer.max_grad_norm"),
     (["algorithm.max_staleness=-1"], "algorithm.max_staleness"),
