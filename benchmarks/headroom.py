@@ -33,6 +33,7 @@ def best_of(correct_counts: list[int], n: int, k: int) -> float:
 def measure(policy, cfg, guidance: float, samples: int) -> dict:
     import torch
 
+    from async_flowgrpo.conditioning import with_sources
     from async_flowgrpo.evaluation import PROMPTS_PER_CALL
     from async_flowgrpo.prompts import load_prompts
     from async_flowgrpo.rewards import CombinedReward
@@ -45,11 +46,12 @@ def measure(policy, cfg, guidance: float, samples: int) -> dict:
     t0 = time.perf_counter()
     for start in range(0, len(prompts), PROMPTS_PER_CALL):
         chunk = prompts[start : start + PROMPTS_PER_CALL]
+        metadata = [with_sources(p) for p in chunk]  # an edit model's input images, as the evaluation loads them
         with torch.no_grad():
             groups = policy.generate([p.text for p in chunk], samples, seed=cfg.eval.seed + start, **sampling,
-                                     metadata=[p.metadata for p in chunk])
-        for p, g in zip(chunk, groups):
-            _, components = reward(g.images, [p.text] * g.size, [p.metadata] * g.size)
+                                     metadata=metadata)
+        for p, m, g in zip(chunk, metadata, groups):
+            _, components = reward(g.images, [p.text] * g.size, [m] * g.size)
             if "correct" not in components:
                 raise SystemExit(f"reward {list(cfg.reward.weights)} has no per-sample 'correct' check to count")
             counts.append(int(components["correct"].sum()))

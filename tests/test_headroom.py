@@ -29,3 +29,21 @@ def test_a_run_writes_the_table_and_json(tiny_model_dir, tmp_path, monkeypatch, 
         assert r["prompts"] == 2 and list(r["best_of"]) == ["1", "2", "4"]
         assert r["best_of"]["1"] == pytest.approx(r["pass@1"]) and r["best_of"]["1"] <= r["best_of"]["4"] <= 1
     assert "| CFG | pass@1 | best-of-1 | best-of-2 | best-of-4 |" in capsys.readouterr().out
+
+
+def test_an_edit_model_gets_its_source_images_and_the_results_split_by_kind(tmp_path, monkeypatch):
+    """The embedded edit task, one held-out prompt of each edit kind: each prompt's input image
+    reaches the model and the reward (as the evaluation loads them; without, the model refuses)."""
+    from async_flowgrpo.prompts import load_prompts
+
+    first_of_kind = {}
+    for p in load_prompts("shapes_edit_eval"):
+        first_of_kind.setdefault(p.metadata["kind"], p)
+    edits = tmp_path / "edits.jsonl"
+    edits.write_text("".join(json.dumps({"prompt": p.text, "images": list(p.images), **p.metadata}) + "\n"
+                             for p in first_of_kind.values()))
+    monkeypatch.setattr(headroom.common, "RESULTS", str(tmp_path))
+    headroom.main(["--cfg", "1", "--samples", "2", "--name", "edit", os.path.join(headroom.common.REPO, "config", "shapes_edit.yaml"),
+                   f"eval.prompts={edits}", "eval.num_steps=2"])
+    out = json.load(open(os.path.join(tmp_path, "headroom", "edit.json")))["results"][0]
+    assert out["prompts"] == 4 and set(out["by_kind"]) == {"add", "move", "recolor", "remove"}
