@@ -248,7 +248,8 @@ def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, wa
               min_ratio: float = 0.0, decay_steps: int = 0) -> float:
     """The multiplier of the base lr at trainer step `step` (0-based): a linear warm-up over the first
     `warmup_steps`, then constant, or a cosine or linear decay that reaches `min_ratio` at `total_steps`
-    (or at `decay_steps` when set, and held there: a decay whose pace does not stretch with the run).
+    (or at `decay_steps` when set and sooner, and held there: a decay whose pace does not stretch with
+    a longer run).
 
     Why a decay: with a few prompts per step an update is mostly noise (on the embedded default the
     gradients of independent batches have a cosine of about 0.0001, benchmarks/grad_signal.py), so at a constant lr
@@ -261,7 +262,7 @@ def lr_factor(step: int, *, schedule: str = "constant", total_steps: int = 1, wa
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    end = decay_steps or total_steps
+    end = min(decay_steps, total_steps) if decay_steps else total_steps
     progress = min(1.0, (step - warmup_steps) / max(1, end - warmup_steps))
     decay = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
     return min_ratio + (1 - min_ratio) * decay

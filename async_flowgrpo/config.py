@@ -119,9 +119,9 @@ class TrainerConfig:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_min_ratio: float = 0.0
-    # the step at which the decay reaches lr * lr_min_ratio and stays (0: total_steps). Set, a longer
-    # run keeps the same pace of decay instead of stretching it (AWM's collapse needs the lr low by
-    # about step 200, whatever total_steps is)
+    # the step at which the decay reaches lr * lr_min_ratio and stays (0, or past total_steps: at
+    # total_steps). Set, a longer run keeps the same pace of decay instead of stretching it (AWM's
+    # collapse needs the lr low by about step 200, whatever total_steps is)
     lr_decay_steps: int = 0
     weight_decay: float = 1e-4
     max_grad_norm: float = 1.0

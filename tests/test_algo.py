@@ -587,5 +587,7 @@ def test_lr_factor_warmup_then_decay():
     fixed = dict(cos, total_steps=600, decay_steps=110)
     assert [algo.lr_factor(s, **fixed) for s in range(0, 111)] == [algo.lr_factor(s, **cos) for s in range(0, 111)]
     assert all(algo.lr_factor(s, **fixed) == pytest.approx(0.1) for s in range(110, 600))
+    # a run shorter than the horizon decays over its own length, as without one
+    assert [algo.lr_factor(s, **dict(cos, decay_steps=300)) for s in range(111)] == [algo.lr_factor(s, **cos) for s in range(111)]
     with pytest.raises(ValueError, match="lr schedule"):
         algo.lr_factor(0, schedule="step")
