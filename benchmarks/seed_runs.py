@@ -42,17 +42,42 @@ def finished(run_dir: str) -> bool:
     return os.path.exists(os.path.join(run_dir, "run.json"))
 
 
-def evaluate_final(out: str, args: list[str], env: dict, guidance: float | None = None, live: bool = False) -> float:
-    """Held-out accuracy of the run's last checkpoint (the same evaluation): at another CFG scale, or
-    of its live weights where the run evaluated a weight average (trainer.ema_decay)."""
-    cmd = [sys.executable, "-m", "async_flowgrpo.evaluation", *args, f"trainer.output_dir={out}", "trainer.resume=latest",
-           *([f"eval.guidance_scale={guidance}"] if guidance is not None else []), *(["--live"] if live else [])]
+def evaluate(args: list[str], env: dict, overrides: list[str], flags: list[str] = ()) -> float:
+    """Held-out accuracy from `python -m async_flowgrpo.evaluation` with the run's files and overrides."""
+    cmd = [sys.executable, "-m", "async_flowgrpo.evaluation", *args, *overrides, *flags]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.split()[:1] == ["eval/accuracy"]:
             return float(line.split()[1])
-    what = "of the live weights" if live else f"at CFG {guidance}"
-    raise SystemExit(f"{out}: evaluation {what} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+    raise SystemExit(f"evaluation {shlex.join([*overrides, *flags])} failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
+
+
+def evaluate_final(out: str, args: list[str], env: dict, guidance: float | None = None, live: bool = False,
+                   samples: int | None = None) -> float:
+    """Held-out accuracy of the run's last checkpoint (the same evaluation): at another CFG scale, of
+    its live weights where the run evaluated a weight average (trainer.ema_decay), or on more samples
+    per prompt (a smaller standard error than the run's own evaluations)."""
+    overrides = [f"trainer.output_dir={out}", "trainer.resume=latest",
+                 *([f"eval.guidance_scale={guidance}"] if guidance is not None else []),
+                 *([f"eval.samples_per_prompt={samples}"] if samples else [])]
+    return evaluate(args, env, overrides, ["--live"] if live else [])
+
+
+def base_accuracy(name: str, args: list[str], env: dict, samples: int) -> float:
+    """The base model's held-out accuracy on `samples` per prompt: the evaluation's noise is fixed by
+    eval.seed, not the training seed, so one value serves every seed of `name` (kept in
+    <name>/base_samples<N>.json)."""
+    path = os.path.join(ROOT, name, f"base_samples{samples}.json")
+    if os.path.exists(path):
+        return json.load(open(path))["accuracy"]
+    scratch = os.path.join(ROOT, name, f".base_samples{samples}_{os.getpid()}")  # output_dir: nothing is written there
+    accuracy = evaluate(args, env, [f"trainer.output_dir={scratch}", f"eval.samples_per_prompt={samples}"])
+    shutil.rmtree(scratch, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"samples_per_prompt": samples, "accuracy": accuracy, "args": args}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return accuracy
 
 
 def weight_average_on(run_dir: str) -> bool:
@@ -61,7 +86,7 @@ def weight_average_on(run_dir: str) -> bool:
     return OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.ema_decay > 0
 
 
-def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[float]) -> None:
+def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[float], final_samples: int = 0) -> None:
     out = os.path.join(ROOT, name, f"seed{seed}")
     if finished(out):
         log(f"{name} seed {seed}: done before, skipped")
@@ -80,11 +105,16 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
     final_at = {str(g): evaluate_final(out, args, env, guidance=g) for g in other_cfg}
     # the run evaluated its weight average: the same last checkpoint's live weights, a paired comparison
     final_live = evaluate_final(out, args, env, live=True) if weight_average_on(out) else None
+    final_large = None
+    if final_samples:  # the last checkpoint and the base on more samples per prompt: a rise with a smaller SE
+        final_large = {"samples_per_prompt": final_samples, "base": base_accuracy(name, args, env, final_samples),
+                       "last": evaluate_final(out, args, env, samples=final_samples)}
     prune_run_outputs(out)
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
                    "mode": mode, "wall_s": round(wall, 1), "final_eval_accuracy_at_cfg": final_at,
-                   "final_eval_accuracy_live": final_live, "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
+                   "final_eval_accuracy_live": final_live, "final_eval_large": final_large,
+                   "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
     log(f"{name} seed {seed}: {wall:.0f} s")
 
 
@@ -108,6 +138,7 @@ def summarize_run(run_dir: str) -> dict:
         "reward_last_quarter": round(sum(rewards[-quarter:]) / quarter, 4),
         "final_at_cfg": info.get("final_eval_accuracy_at_cfg", {}),
         "final_live": info.get("final_eval_accuracy_live"),  # where the evaluations are of a weight average
+        "final_large": info.get("final_eval_large"),  # {samples_per_prompt, base, last}: --final-samples
         "staleness_mean": round(sum(r.get("staleness/mean", 0) for r in rows) / max(1, len(rewards)), 3),
     }
 
@@ -141,6 +172,12 @@ def summarize(name: str) -> dict:
     if all(r["final_live"] is not None for r in runs):  # the average's last evaluation less the live weights', per seed
         gaps = [list(r["eval_accuracy"].values())[-1] - r["final_live"] for r in runs]
         summary["average_minus_live"] = {"mean": round(sum(gaps) / n, 4), "se": round(_se(gaps), 4), "per_seed": [round(g, 4) for g in gaps]}
+    large = [r["final_large"] for r in runs if r.get("final_large")]
+    if len(large) == n and len({x["samples_per_prompt"] for x in large}) == 1:  # the rise on the larger evaluation
+        rises_large = [x["last"] - x["base"] for x in large]
+        summary["rise_large"] = {"samples_per_prompt": large[0]["samples_per_prompt"], "base": large[0]["base"],
+                                 "mean": round(sum(rises_large) / n, 4), "se": round(_se(rises_large), 4),
+                                 "worst": round(min(rises_large), 4), "per_seed": [round(x, 4) for x in rises_large]}
     with open(os.path.join(base, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -156,12 +193,19 @@ def table(summary: dict) -> str:
         curve = " -> ".join(f"{v:.3f}" for v in r["eval_accuracy"].values())
         curve += "".join(f"; CFG {g}: {v:.3f}" for g, v in r["final_at_cfg"].items())
         curve += f"; live weights: {r['final_live']:.3f}" if r.get("final_live") is not None else ""
+        if r.get("final_large"):
+            x = r["final_large"]
+            curve += f"; on {x['samples_per_prompt']} samples a prompt: {x['base']:.3f} -> {x['last']:.3f}"
         wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f} s"
         lines.append(f"| {r['seed']} | {curve} | {r['rise']:+.3f} | {r['reward_first_quarter']:.3f} -> "
                      f"{r['reward_last_quarter']:.3f} | {wall} |")
     lines.append(f"| mean (n={summary['n']}) | | **{summary['rise_mean']:+.3f}** (SE {summary['rise_se']:.3f}, "
                  f"worst {summary['rise_worst']:+.3f}) | last quarter above first in "
                  f"{summary['reward_quarters_rising']}/{summary['n']} | |")
+    if "rise_large" in summary:
+        x = summary["rise_large"]
+        lines.append(f"\nthe last checkpoint against the base on {x['samples_per_prompt']} samples a prompt (base "
+                     f"{x['base']:.3f}): rise {x['mean']:+.3f} (SE {x['se']:.3f}, worst {x['worst']:+.3f})")
     if "average_minus_live" in summary:
         gap = summary["average_minus_live"]
         lines.append(f"\nthe weight average's last evaluation less the live weights': {gap['mean']:+.3f} (SE {gap['se']:.3f}; "
@@ -227,6 +271,8 @@ def main(argv=None) -> None:
     r.add_argument("--seeds", required=True, help="comma list, e.g. 0,1,2,3,4")
     r.add_argument("--mode", default="fully_async", choices=MODES)
     r.add_argument("--other-cfg", default="", help="also evaluate the last checkpoint at these CFG scales, e.g. 1.0")
+    r.add_argument("--final-samples", type=int, default=0, metavar="N",
+                   help="also evaluate the last checkpoint and the base on N samples a prompt (eval.samples_per_prompt)")
     r.add_argument("args", nargs="*", help="YAML files and key=value overrides, as the launcher takes them")
     p = sub.add_parser("report", help="per-seed tables and summary.json of finished runs")
     p.add_argument("names", nargs="+")
@@ -239,8 +285,10 @@ def main(argv=None) -> None:
             seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
         except ValueError:
             ap.error(f"--seeds {a.seeds!r}: expected a comma list of integers")
+        if a.final_samples < 0:
+            ap.error(f"--final-samples {a.final_samples}: expected a number of samples a prompt (0: none)")
         for seed in seeds:
-            run_seed(a.name, seed, a.mode, a.args, [float(g) for g in a.other_cfg.split(",") if g.strip()])
+            run_seed(a.name, seed, a.mode, a.args, [float(g) for g in a.other_cfg.split(",") if g.strip()], a.final_samples)
         return
     missing = [n for n in a.names if not os.path.isdir(os.path.join(ROOT, n))]
     if missing:

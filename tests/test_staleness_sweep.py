@@ -89,3 +89,32 @@ def test_seed_runs_report_the_weight_average_against_the_live_weights_seed_by_se
     assert gap["se"] == pytest.approx(0.04)
     text = sweep.seed_runs.table(summary)
     assert "0.600 -> 0.700; live weights: 0.660 |" in text and "per seed +0.040, -0.040" in text
+
+
+def test_seed_runs_report_the_rise_on_a_larger_final_evaluation(sweep, monkeypatch):
+    """--final-samples N: the last checkpoint and the base evaluated on N samples a prompt; the base
+    once for every seed of a name (its noise is fixed by eval.seed), and the report's rise from the two."""
+    seed_runs = sweep.seed_runs
+    name = sweep.cell_name("s", "flow_grpo", 1, "none")
+    calls = []
+
+    def evaluate(args, env, overrides, flags=()):
+        calls.append(overrides)
+        return 0.55 if not any(o.startswith("trainer.resume") for o in overrides) else 0.6 + 0.05 * len(calls)
+
+    monkeypatch.setattr(seed_runs, "evaluate", evaluate)
+    for seed in (0, 1):
+        fake_cell(sweep, "flow_grpo", 1, "none", seed, [0.6, 0.70], staleness=1.0)
+        out = os.path.join(seed_runs.ROOT, name, f"seed{seed}")
+        large = {"samples_per_prompt": 8, "base": seed_runs.base_accuracy(name, [], {}, 8),
+                 "last": seed_runs.evaluate_final(out, [], {}, samples=8)}
+        path = os.path.join(out, "run.json")
+        json.dump({**json.load(open(path)), "final_eval_large": large}, open(path, "w"))
+    assert len(calls) == 3 and "eval.samples_per_prompt=8" in calls[0] and "eval.samples_per_prompt=8" in calls[1]
+    assert not any(o.startswith("trainer.resume") for o in calls[0])  # the base: no checkpoint
+    summary = seed_runs.summarize(name)
+    large = summary["rise_large"]
+    assert large["per_seed"] == [pytest.approx(0.15), pytest.approx(0.20)] and large["mean"] == pytest.approx(0.175)
+    assert large["worst"] == pytest.approx(0.15) and large["base"] == 0.55
+    text = seed_runs.table(summary)
+    assert "on 8 samples a prompt: 0.550 -> 0.700" in text and "rise +0.175 (SE 0.025, worst +0.150)" in text
