@@ -167,6 +167,11 @@ class AlgorithmConfig:
     global_std: bool = True
     mean_only: bool = False
     drop_zero_std: bool = False  # drop groups whose rewards are all equal (counted either way)
+    # fully_async: a group whose rewards are all equal is not queued and its admission slot starts a
+    # new group, so every batch is groups_per_step groups with something to learn (DAPO's dynamic
+    # sampling); at most 4 x groups_per_step in a row per rollout worker, then one is kept so the
+    # trainer never starves (samples/resampled_flat counts them)
+    resample_flat_groups: bool = False
     stale_policy: str = "block"  # block | drop (groups that still arrive older than eta)
     # each algorithm's own keys, in its module (algorithms/<name>.py): only the running one's are read
     flow_grpo: FlowGRPOSettings = field(default_factory=FlowGRPOSettings)
@@ -503,6 +508,9 @@ def validate(c: Config) -> None:
     _require(a.adv_clip > 0, "algorithm.adv_clip", "must be > 0")
     _require(a.beta >= 0, "algorithm.beta", "must be >= 0")
     _choice(a.stale_policy, "algorithm.stale_policy", ("block", "drop"))
+    _require(not a.resample_flat_groups or c.mode == "fully_async", "algorithm.resample_flat_groups",
+             f"fully_async only ({c.mode} hands out a batch's tickets up front); algorithm.drop_zero_std=true "
+             "drops those groups in any mode")
     _choice(a.name, "algorithm.name", ALGORITHMS)
     _choice(r.sampler, "rollout.sampler", ("sde", "ode"))
     _choice(r.after_window_solver, "rollout.after_window_solver", ("euler", "dpm2"))

@@ -61,6 +61,10 @@ class RolloutWorker:
         self.consecutive_reward_failures = 0
         self.last_reward_error = ""
         self.inflight_updates = 0  # groups whose steps carry two or more weight versions
+        # algorithm.resample_flat_groups: groups left out for all-equal rewards, their samples' reward sum,
+        # and how many in a row (at most max_flat_in_a_row, then one is kept)
+        self.resampled_flat, self.resampled_flat_reward, self.flat_in_a_row = 0, 0.0, 0
+        self.max_flat_in_a_row = 4 * cfg.rollout.groups_per_step
         self.busy = BusyTracker()  # perf/rollout_idle_frac: generating, or waiting for a reward
         self.generate_s: list[float] = []  # each group's generation seconds since the last stats()
         self.scorer = Scorer(overlap=cfg.reward.overlap, max_pending=cfg.reward.max_pending)
@@ -129,10 +133,25 @@ class RolloutWorker:
         record goes through the queue."""
 
         def make_record(ticket: int) -> Future:
-            return chain(self.start_group(ticket), lambda group: None if group is None else store(group))
+            return chain(self.start_group(ticket), lambda group: None if group is None or self._resample(group) else store(group))
 
         stream_groups(queue, self.worker_id, make_record, self._stop, poll_s)
         return self.stats()
+
+    def _resample(self, group: Group) -> bool:
+        """algorithm.resample_flat_groups: True for a group whose rewards are all equal (no advantage
+        to learn from), which is then not delivered: its slot goes back and starts another group."""
+        if not self.cfg.algorithm.resample_flat_groups:
+            return False
+        with self._counters:
+            flat = bool((group.rewards == group.rewards[0]).all())
+            if not flat or self.flat_in_a_row >= self.max_flat_in_a_row:
+                self.flat_in_a_row = 0
+                return False
+            self.flat_in_a_row += 1
+            self.resampled_flat += group.size
+            self.resampled_flat_reward += float(group.rewards.sum())
+            return True
 
     def stop(self) -> None:
         self._stop.set()
@@ -148,6 +167,9 @@ class RolloutWorker:
             "rollout/inflight_updates": self.inflight_updates,
             "rollout/version": self.engine.version,
             "perf/rollout_idle_frac": self.busy.idle_frac(),
+            **({"samples/resampled_flat": self.resampled_flat,  # and their mean reward: all right (1) or all wrong (0)?
+                "rollout/resampled_flat_reward": self.resampled_flat_reward / max(self.resampled_flat, 1)}
+               if self.cfg.algorithm.resample_flat_groups else {}),
             **({"perf/generate_s_per_group": sum(generate_s) / len(generate_s)} if generate_s else {}),
             **self.scorer.stats(),
         }
