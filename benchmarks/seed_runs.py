@@ -71,7 +71,7 @@ def base_accuracy(name: str, args: list[str], env: dict, samples: int) -> float:
     if os.path.exists(path):
         return json.load(open(path))["accuracy"]
     scratch = os.path.join(ROOT, name, f".base_samples{samples}_{os.getpid()}")  # output_dir: nothing is written there
-    accuracy = evaluate(args, env, [f"trainer.output_dir={scratch}", f"eval.samples_per_prompt={samples}"])
+    accuracy = evaluate(args, env, [f"trainer.output_dir={scratch}", "trainer.resume=null", f"eval.samples_per_prompt={samples}"])
     shutil.rmtree(scratch, ignore_errors=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
