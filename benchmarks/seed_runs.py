@@ -11,6 +11,7 @@ and two invocations with different --seeds can run side by side into the same <n
     python benchmarks/seed_runs.py run recipe --seeds 0,1,2,3,4                 # the defaults
     python benchmarks/seed_runs.py run nft --seeds 0,1 config/diffusion_nft.yaml
     python benchmarks/seed_runs.py run lr3e-4 --seeds 10,11 --mode sync trainer.lr=3e-4
+    python benchmarks/seed_runs.py run edit --seeds 0 --final-samples 8 config/shapes_edit.yaml  # + a larger last evaluation
     python benchmarks/seed_runs.py report recipe nft                            # tables + summary.json
     python benchmarks/seed_runs.py report recipe nft --plot benchmarks/results/seed_runs/curves.png
 
