@@ -33,7 +33,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import REPO, RESULTS, argument_parser, log, parse_run_overrides, prune_run_outputs, read_metrics  # noqa: E402
+from common import (REPO, RESULTS, argument_parser, log, parse_run_overrides, prune_run_outputs, read_metrics,  # noqa: E402
+                    write_json)
 
 ROOT = os.path.join(RESULTS, "seed_runs")
 MODES = ("sync", "one_step_off", "fully_async")
@@ -74,10 +75,7 @@ def base_accuracy(name: str, args: list[str], env: dict, samples: int) -> float:
     scratch = os.path.join(ROOT, name, f".base_samples{samples}_{os.getpid()}")  # output_dir: nothing is written there
     accuracy = evaluate(args, env, [f"trainer.output_dir={scratch}", "trainer.resume=null", f"eval.samples_per_prompt={samples}"])
     shutil.rmtree(scratch, ignore_errors=True)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump({"samples_per_prompt": samples, "accuracy": accuracy, "args": args}, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, {"samples_per_prompt": samples, "accuracy": accuracy, "args": args})
     return accuracy
 
 
