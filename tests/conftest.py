@@ -1,3 +1,4 @@
+import contextlib
 import importlib.util
 import os
 import sys
@@ -36,22 +37,78 @@ def _ray_of_this_worker():
     cluster.shutdown_ray()
 
 
+@pytest.fixture(scope="session")
+def _warm_workers(tmp_path_factory):
+    """Ray workers forked from a process with torch, diffusers and transformers imported
+    (warm_workers.py): a test's actor starts in about 0.5 s of CPU instead of 5.5 s, most of what
+    the suite's in-process runs cost. Started by the first module that uses `ray_cluster`, for
+    this pytest process; yields the environment and the interpreter stand-in that Ray's start
+    takes (`warm_worker_python`), or None with ASYNC_FLOWGRPO_TEST_COLD_WORKERS=1 (every actor a
+    fresh `python`, as in a user's run)."""
+    import subprocess
+
+    import warm_workers
+
+    if os.environ.get("ASYNC_FLOWGRPO_TEST_COLD_WORKERS") == "1":
+        yield None
+        return
+    root = tmp_path_factory.mktemp("warm_workers")
+    path, python, log = str(root / "socket"), str(root / "python"), str(root / "server.log")
+    with open(python, "w") as f:
+        f.write(f'#!/bin/sh\nexec "{sys.executable}" -S "{os.path.abspath(warm_workers.__file__)}" "$@"\n')
+    os.chmod(python, 0o755)
+    with open(log, "w") as err:
+        server = subprocess.Popen([sys.executable, warm_workers.__file__, "--serve", path], stdout=subprocess.PIPE,
+                                  stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        if server.stdout.readline().strip() != b"ready":
+            with open(log) as f:
+                pytest.fail(f"the warm worker server did not start: {f.read()[-2000:]}")
+        yield {"env": {warm_workers.ENV_SOCKET: path, warm_workers.ENV_PYTHON: sys.executable}, "python": python}
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def warm_worker_python(warm: dict | None):
+    """While Ray starts (its raylet takes the worker command then, from sys.executable): the
+    warm_workers.py client as the interpreter, and where its server is in the environment the
+    raylet inherits."""
+    if warm is None:
+        yield
+        return
+    saved, executable = {k: os.environ.get(k) for k in warm["env"]}, sys.executable
+    os.environ.update(warm["env"])
+    sys.executable = warm["python"]
+    try:
+        yield
+    finally:
+        sys.executable = executable
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(_ray_of_this_worker):
+def ray_cluster(_ray_of_this_worker, _warm_workers):
     """A 2-CPU local Ray cluster (the runs' actors take fractional CPUs), started by the first module
     that asks for it and kept while the next module in this pytest process uses it too
     (`pytest_runtest_teardown`): each start and shutdown costs about 7 s on 2 cores. A module that leaves an actor holding resources gets its cluster ended, so
-    the next module starts a clean one. It inherits this process's environment (HF_HUB_OFFLINE above):
-    a runtime_env would make Ray start a fresh worker for every actor instead of taking the ones it
-    starts ahead (about 1 s each). A test that needs a Ray of its own calls `cluster.shutdown_ray()`
-    first (test_multinode)."""
+    the next module starts a clean one. Its workers are forked warm (`_warm_workers`) and inherit
+    this process's environment (HF_HUB_OFFLINE above): a runtime_env would make Ray start each
+    worker through its setup script, a fresh interpreter. A test that needs a Ray of its own calls
+    `cluster.shutdown_ray()` first (test_multinode)."""
     import ray
 
     from async_flowgrpo.driver import cluster
 
     if not ray.is_initialized():
         cluster.shutdown_ray()  # nothing left of a Ray an earlier module's run started
-        ray.init(address="local", num_cpus=2, include_dashboard=False)
+        with warm_worker_python(_warm_workers):
+            ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     deadline = time.monotonic() + 15  # a killed actor's resources come back asynchronously
     while ray.is_initialized() and ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0):
