@@ -143,15 +143,17 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts Ray or other processes, or trains for long (left out of the fast tier)")
 
 
-# The longest modules, longest first (as measured in the suite on 2 cores, 2026-11-27; modules
-# added since from their own runs). The suite runs on two workers a module at a time (`-n 2 --dist
-# loadfile --no-loadscope-reorder`), each taking the next module in collection order as it frees up
-# (xdist's own order, by number of tests, left the two-test cluster-signal module to the end, one
-# worker busy alone for minutes). Longest first, both end within a short module of each other.
-LONGEST_MODULES = ("test_run", "test_cluster_signals", "test_algorithm_modes", "test_fault_injection", "test_multinode",
-                   "test_reward_overlap", "test_stop_resume_defects", "test_wan_run", "test_seqpar",
-                   "test_qwen_image_edit", "test_reward_services_run", "test_gpu_bench", "test_defects_trainer",
-                   "test_queue", "test_fully_async")
+# The longest modules, longest first (as measured in the suite on 2 cores with warm workers,
+# 2026-11-28: the launches of the signal, two-node and fault tests, then test_run). The suite runs
+# on two workers a module at a time (`-n 2 --dist loadfile --no-loadscope-reorder`), each taking the
+# next module in collection order as it frees up (xdist's own order, by number of tests, left the
+# two-test cluster-signal module to the end, one worker busy alone for minutes). Longest first, both
+# end within a short module of each other; the first two pair the signal tests' waits with
+# test_run's CPU.
+LONGEST_MODULES = ("test_cluster_signals", "test_run", "test_multinode", "test_fault_injection", "test_stop_resume_defects",
+                   "test_gpu_bench", "test_reward_overlap", "test_reward_services_run", "test_algorithm_modes",
+                   "test_wan_run", "test_seqpar", "test_learning_signal", "test_launcher", "test_fsdp", "test_queue",
+                   "test_qwen_image_edit", "test_defects_trainer", "test_fully_async")
 
 
 def module_name(item) -> str:
