@@ -45,7 +45,9 @@ def _warm_workers(tmp_path_factory):
     this pytest process; yields the environment and the interpreter stand-in that Ray's start
     takes (`warm_worker_python`), or None with ASYNC_FLOWGRPO_TEST_COLD_WORKERS=1 (every actor a
     fresh `python`, as in a user's run)."""
+    import shutil
     import subprocess
+    import tempfile
 
     import warm_workers
 
@@ -53,7 +55,9 @@ def _warm_workers(tmp_path_factory):
         yield None
         return
     root = tmp_path_factory.mktemp("warm_workers")
-    path, python, log = str(root / "socket"), str(root / "python"), str(root / "server.log")
+    python, log = str(root / "python"), str(root / "server.log")
+    short = tempfile.mkdtemp(prefix="afg-warm-", dir="/tmp")  # a Unix socket's path has at most 107 bytes
+    path = os.path.join(short, "socket")
     with open(python, "w") as f:
         f.write(f'#!/bin/sh\nexec "{sys.executable}" -S "{os.path.abspath(warm_workers.__file__)}" "$@"\n')
     os.chmod(python, 0o755)
@@ -68,6 +72,7 @@ def _warm_workers(tmp_path_factory):
     finally:
         server.kill()
         server.wait(timeout=30)
+        shutil.rmtree(short, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -12,10 +12,10 @@ the child's pid (its core worker registers itself), so killing an actor's proces
 and Ray's own kills behave as with a fresh process. Any other command (Ray's agents, a worker
 without a server) execs the real interpreter unchanged.
 
-What is imported ahead is read from the environment the server started with, which is the
-tests' own; ray itself is imported by each child, after its environment is set, since Ray reads
-settings from the environment at import. Product code never goes through here: the launcher tests
-start their own Ray from a fresh `python`, as users do.
+The libraries imported ahead took their settings from the environment the server started with,
+the tests' own (HF_HUB_OFFLINE, OMP_NUM_THREADS=1); ray itself is imported by each child after its
+environment is set, since Ray reads settings from the environment at import. Product code never
+goes through here, and the launcher tests start their own Ray from a fresh `python`, as users do.
 """
 
 from __future__ import annotations
