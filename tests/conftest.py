@@ -80,21 +80,12 @@ def warm_worker_python(warm: dict | None):
     """While Ray starts (its raylet takes the worker command then, from sys.executable): the
     warm_workers.py client as the interpreter, and where its server is in the environment the
     raylet inherits."""
-    if warm is None:
+    with pytest.MonkeyPatch.context() as patch:
+        if warm is not None:
+            for key, value in warm["env"].items():
+                patch.setenv(key, value)
+            patch.setattr(sys, "executable", warm["python"])
         yield
-        return
-    saved, executable = {k: os.environ.get(k) for k in warm["env"]}, sys.executable
-    os.environ.update(warm["env"])
-    sys.executable = warm["python"]
-    try:
-        yield
-    finally:
-        sys.executable = executable
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")
