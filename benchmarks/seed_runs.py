@@ -14,6 +14,7 @@ and two invocations with different --seeds can run side by side into the same <n
     python benchmarks/seed_runs.py run edit --seeds 0 --final-samples 8 config/shapes_edit.yaml  # + a larger last evaluation
     python benchmarks/seed_runs.py report recipe nft                            # tables + summary.json
     python benchmarks/seed_runs.py report recipe nft --plot benchmarks/results/seed_runs/curves.png
+    python benchmarks/seed_runs.py compare recipe recipe_sync dgpo_fully_async --target 0.087  # one row a name
 
 The report gives per seed the held-out accuracy at every evaluation, the rise of the **last**
 evaluation over step 0, the training reward's first and last quarter and the wall time; then the
@@ -139,7 +140,16 @@ def summarize_run(run_dir: str) -> dict:
         "final_live": info.get("final_eval_accuracy_live"),  # where the evaluations are of a weight average
         "final_large": info.get("final_eval_large"),  # {samples_per_prompt, base, last}: --final-samples
         "staleness_mean": round(sum(r.get("staleness/mean", 0) for r in rows) / max(1, len(rewards)), 3),
+        "mode": info.get("mode"),
+        "train_step_s_median": _median([r["train/time_s"] for r in rows if "train/time_s" in r]),
     }
+
+
+def _median(values: list[float]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return round((v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2, 3)
 
 
 def _se(values: list[float]) -> float:
@@ -212,6 +222,54 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def first_step_at(run: dict, target: float) -> int | None:
+    """The first evaluation's step whose accuracy is at least step 0's + target (None: never)."""
+    curve = [(int(k), v) for k, v in run["eval_accuracy"].items()]
+    start = min(curve)[1]
+    return next((step for step, acc in sorted(curve) if step > 0 and acc >= start + target), None)
+
+
+def compare_row(summary: dict, target: float) -> dict:
+    """One name's seeds in a line: the last evaluation, its rise, the other CFG's, the steps to a
+    rise of `target`, how far the last evaluation is under the run's best, a trainer step's time."""
+    runs, n = summary["runs"], summary["n"]
+    last = [list(r["eval_accuracy"].values())[-1] for r in runs]
+    reached = [first_step_at(r, target) for r in runs]
+    hit = sorted(s for s in reached if s is not None)
+    other = {}
+    for g in sorted({g for r in runs for g in r["final_at_cfg"]}):
+        values = [r["final_at_cfg"][g] for r in runs if g in r["final_at_cfg"]]
+        other[g] = {"n": len(values), "mean": round(sum(values) / len(values), 4), "worst": min(values)}
+    times = [r["train_step_s_median"] for r in runs if r.get("train_step_s_median") is not None]
+    return {"name": summary["name"], "mode": runs[0].get("mode"), "n": n, "seeds": [r["seed"] for r in runs],
+            "eval_guidance_scale": summary["eval_guidance_scale"], "step0": list(runs[0]["eval_accuracy"].values())[0],
+            "last_mean": round(sum(last) / n, 4), "last_worst": min(last),
+            "rise_mean": summary["rise_mean"], "rise_se": summary["rise_se"], "rise_worst": summary["rise_worst"],
+            "other_cfg": other, "target": target, "reached": len(hit), "steps_to_target": hit,
+            "step_to_target_median": _median([float(s) for s in hit]) if len(hit) * 2 > n else None,  # else the range
+            "best_minus_last_max": round(max(max(r["eval_accuracy"].values()) - l for r, l in zip(runs, last)), 4),
+            "train_step_s_median": _median(times)}
+
+
+def compare_table(rows: list[dict]) -> str:
+    target = rows[0]["target"]
+    lines = ["| name | mode | seeds | CFG | step 0 | last: mean (worst) | rise: mean (SE), worst | last at the other CFG: mean (worst) "
+             f"| to +{target:g}: median step (seeds) | best - last, max | trainer step, median |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        other = "; ".join(f"CFG {float(g):g}: {o['mean']:.3f} ({o['worst']:.3f})" + (f", n={o['n']}" if o["n"] != r["n"] else "")
+                          for g, o in r["other_cfg"].items()) or "-"
+        step = ("never" if not r["reached"] else f"{r['step_to_target_median']:g}" if r["step_to_target_median"] is not None
+                else "-".join(f"{s:g}" for s in sorted({min(r["steps_to_target"]), max(r["steps_to_target"])})))
+        seeds = ",".join(str(s) for s in r["seeds"])
+        se = "n/a" if math.isnan(r["rise_se"]) else f"{r['rise_se']:.3f}"
+        t = "n/a" if r["train_step_s_median"] is None else f"{r['train_step_s_median']:.2f} s"
+        lines.append(f"| {r['name']} | {r['mode']} | {seeds} | {r['eval_guidance_scale']:g} | {r['step0']:.3f} | "
+                     f"{r['last_mean']:.3f} ({r['last_worst']:.3f}) | {r['rise_mean']:+.3f} ({se}), {r['rise_worst']:+.3f} | "
+                     f"{other} | {step} ({r['reached']}/{r['n']}) | {r['best_minus_last_max']:.3f} | {t} |")
+    return "\n".join(lines)
+
+
 def plot(summaries: list[dict], path: str) -> None:
     import matplotlib
 
@@ -278,6 +336,10 @@ def main(argv=None) -> None:
     p.add_argument("--plot", help="write a PNG of the held-out accuracy curves")
     p.add_argument("--plot-metrics", metavar="KEYS:PNG", help="a PNG of training metrics by step, one panel a key, "
                    "e.g. train/grad_norm,nft/old_deviation:curves.png (a 10-step running mean, log scale)")
+    c = sub.add_parser("compare", help="one row a name: last evaluation, rise, other CFG, steps to a rise, step time")
+    c.add_argument("names", nargs="+")
+    c.add_argument("--target", type=float, default=0.087, help="the rise whose first evaluation is counted (Flow-GRPO's mean)")
+    c.add_argument("--json", help="also write the rows here")
     a = parse_run_overrides(ap, argv)
     if a.cmd == "run":
         try:
@@ -293,6 +355,12 @@ def main(argv=None) -> None:
     if missing:
         ap.error(f"no runs named {', '.join(missing)} under {ROOT}")
     summaries = [summarize(n) for n in a.names]
+    if a.cmd == "compare":
+        rows = [compare_row(s, a.target) for s in summaries]
+        print(compare_table(rows))
+        if a.json:
+            write_json(a.json, rows)
+        return
     for s in summaries:
         print(table(s), end="\n\n")
     if a.plot:

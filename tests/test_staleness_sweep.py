@@ -118,3 +118,22 @@ def test_seed_runs_report_the_rise_on_a_larger_final_evaluation(sweep, monkeypat
     assert large["worst"] == pytest.approx(0.15) and large["base"] == 0.55
     text = seed_runs.table(summary)
     assert "on 8 samples a prompt: 0.550 -> 0.700" in text and "rise +0.175 (SE 0.025, worst +0.150)" in text
+
+
+def test_seed_runs_compare_puts_each_name_in_one_row(sweep):
+    """`compare`: the last evaluation, the rise, the first step at a target rise (a median only when
+    most seeds reach it, else the range of those that do), how far the last is under the best."""
+    seed_runs = sweep.seed_runs
+    fake_cell(sweep, "flow_grpo", 1, "none", 0, [0.6, 0.70, 0.75, 0.72], staleness=1.0)
+    fake_cell(sweep, "flow_grpo", 1, "none", 1, [0.6, 0.65, 0.66, 0.68], staleness=1.0)
+    fake_cell(sweep, "flow_grpo", 1, "none", 2, [0.6, 0.62, 0.64, 0.65], staleness=1.0)
+    name = sweep.cell_name("s", "flow_grpo", 1, "none")
+    row = seed_runs.compare_row(seed_runs.summarize(name), target=0.09)
+    assert row["steps_to_target"] == [10] and row["reached"] == 1 and row["step_to_target_median"] is None
+    assert row["last_mean"] == pytest.approx((0.72 + 0.68 + 0.65) / 3, abs=1e-4) and row["last_worst"] == 0.65
+    assert row["best_minus_last_max"] == pytest.approx(0.03) and row["mode"] == "fully_async"
+    assert "| 10 (1/3) |" in seed_runs.compare_table([row])
+    row = seed_runs.compare_row(seed_runs.summarize(name), target=0.055)  # seeds 0 and 1 at steps 10 and 20
+    assert row["steps_to_target"] == [10, 20] and row["step_to_target_median"] == 15
+    assert "| 15 (2/3) |" in seed_runs.compare_table([row])
+    assert seed_runs.first_step_at({"eval_accuracy": {"0": 0.6, "10": 0.59}}, 0.0) is None  # step 0 itself never counts
