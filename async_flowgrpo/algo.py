@@ -30,21 +30,6 @@ def _mean_per_sample(x: Tensor) -> Tensor:
     return x.flatten(1).mean(1)
 
 
-def block_mean(x: Tensor, block: int) -> Tensor:
-    """The mean of each `block` x `block` patch of the last two (spatial) dims: [..., h, w] ->
-    [..., h / block, w / block]."""
-    *lead, h, w = x.shape
-    if h % block or w % block:
-        raise ValueError(f"noise_block {block} must divide the latent's height and width, got {h}x{w}")
-    return x.reshape(*lead, h // block, block, w // block, block).mean((-3, -1))
-
-
-def block_project(x: Tensor, block: int) -> Tensor:
-    """The orthogonal projection onto latents constant on each `block` x `block` patch (each patch
-    replaced by its mean): the subspace a block noise explores."""
-    return block_mean(x, block).repeat_interleave(block, -2).repeat_interleave(block, -1)
-
-
 def sde_step(
     velocity: Tensor,
     sample: Tensor,
@@ -57,7 +42,6 @@ def sde_step(
     noise: Tensor | None = None,
     prev_sample: Tensor | None = None,
     generator: torch.Generator | None = None,
-    noise_block: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One stochastic denoising step; returns (prev_sample, log_prob [B], mean, std).
 
@@ -65,13 +49,6 @@ def sde_step(
     clipped at 1e-4. If `prev_sample` is given it is scored rather than sampled (the trainer's
     recompute); otherwise x' = mean + std * noise, with noise drawn (from `generator`) when None.
     The log-prob is taken against prev_sample.detach(): gradients reach the model only via `mean`.
-
-    noise_block b > 1 ("sde" only): the noise, and the drift that keeps the ODE's marginals, act on
-    the subspace of latents constant on b x b spatial patches (the SDE dx = [v + g^2/2 P score] dt +
-    g P dW with P that projection has the ODE's marginals for any P). The policy explores k = D / b^2
-    low-frequency directions instead of D, so the score-function gradient carries the reward's
-    dependence on those alone, without the noise of the D - k others. The log-prob is that of the
-    k orthonormal coordinates b * (patch mean of x' - mean), averaged over them like the D of b = 1.
     """
     x = sample.float()
     v = velocity.float()
@@ -79,8 +56,6 @@ def sde_step(
     s_next = _col(sigma_next, x.ndim, x.device)
     dt = s_next - s
 
-    if noise_block > 1 and sde_type != "sde":
-        raise ValueError(f"noise_block {noise_block} is derived for sde_type 'sde', got {sde_type!r}")
     if sde_type == "sde":
         if noise_level <= 0:
             raise ValueError("sde_step with sde_type='sde' needs noise_level > 0; use ode_step for noise_level 0")
@@ -89,12 +64,8 @@ def sde_step(
         # the clamp only guards an exact zero (sigma_max == 1 is a caller error).
         denom = (1 - torch.where(s == 1, s_max, s)).clamp_min(torch.finfo(torch.float32).tiny)
         std_t = noise_level * torch.sqrt(s / denom)
-        # Euler step of the reverse SDE whose marginals match the ODE's (Flow-GRPO eq. 9), that is
-        # x + v dt + std_t^2 / (2 s) (x + (1 - s) v) dt, the last term the noise's drift correction
-        if noise_block == 1:
-            mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
-        else:
-            mean = x + v * dt + block_project(std_t**2 / (2 * s) * (x + (1 - s) * v) * dt, noise_block)
+        # Euler step of the reverse SDE whose marginals match the ODE's (Flow-GRPO eq. 9)
+        mean = x * (1 + std_t**2 / (2 * s) * dt) + v * (1 + std_t**2 * (1 - s) / (2 * s)) * dt
         std = std_t * torch.sqrt(-dt)
     elif sde_type == "cps":
         # coefficients-preserving sampling: re-noise the x0 estimate with a mix of the predicted
@@ -109,15 +80,10 @@ def sde_step(
     if prev_sample is None:
         if noise is None:
             noise = torch.randn(x.shape, generator=generator, dtype=torch.float32, device=x.device)
-        noise = noise.float() if noise_block == 1 else block_project(noise.float(), noise_block)
-        prev_sample = mean + std * noise
+        prev_sample = mean + std * noise.float()
     else:
         prev_sample = prev_sample.float()
 
-    if noise_block > 1:  # the k coordinates the noise moves: b * patch mean (orthonormal)
-        diff2 = (noise_block * block_mean(prev_sample.detach() - mean, noise_block)) ** 2
-        log_prob = -diff2 / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))
-        return prev_sample, _mean_per_sample(log_prob), mean, std
     diff2 = (prev_sample.detach() - mean) ** 2
     if sde_type == "sde":
         log_prob = -diff2 / (2 * std**2) - torch.log(std) - math.log(math.sqrt(2 * math.pi))

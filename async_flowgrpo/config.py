@@ -76,10 +76,6 @@ class RolloutConfig:
     guidance_scale: float = 4.5
     noise_level: float = 0.7
     sde_type: str = "sde"  # sde | cps
-    # sde only: the window's noise (and its drift correction) in b x b latent patches, k = D / b^2
-    # directions instead of D: a policy gradient with the high-frequency noise's share of variance gone
-    # (algo.sde_step). 1: white noise, Flow-GRPO's
-    noise_block: int = 1
     # sde: a stochastic window recorded step by step (Flow-GRPO); ode: deterministic Euler steps,
     # only the final latent recorded (DiffusionNFT)
     sampler: str = "sde"
@@ -419,11 +415,6 @@ def validate(c: Config) -> None:
     _require(r.guidance_scale >= 0, "rollout.guidance_scale", "must be >= 0")
     _require(0 < r.noise_level <= 2, "rollout.noise_level", "must be in (0, 2]")
     _choice(r.sde_type, "rollout.sde_type", ("sde", "cps"))
-    _require(r.noise_block >= 1, "rollout.noise_block", "must be >= 1 (1 = white noise)")
-    if r.noise_block > 1:
-        _require(r.sde_type == "sde", "rollout.noise_block", "block noise is derived for rollout.sde_type=sde")
-        _require(r.sampler == "sde", "rollout.noise_block", "an ODE sampler (rollout.sampler ode) draws no window noise; use 1")
-        _require(r.engine == "diffusers", "rollout.noise_block", "the vllm_omni engine draws white noise; use rollout.engine=diffusers")
     if r.sampler == "sde":  # an ODE sample (rollout.sampler ode) has no window
         _require(r.sde_window_size >= 0, "rollout.sde_window_size", "must be >= 0 (0 = all but the last step)")
         _require(

@@ -262,7 +262,6 @@ class DiffusionPolicy:
         shared_initial_noise: bool = False,
         after_window_solver: str = "euler",
         after_window_steps: float = 1.0,
-        noise_block: int = 1,
         seed: int,
         height: int | None = None,
         width: int | None = None,
@@ -298,9 +297,6 @@ class DiffusionPolicy:
         height = height or self.adapter.resolution
         width = width or self.adapter.resolution
         latent_shape = self.adapter.latent_shape(height, width)
-        if latent_shape[-1] % noise_block or latent_shape[-2] % noise_block:
-            raise ValueError(f"rollout.noise_block {noise_block} must divide the latent's height and width, "
-                             f"{latent_shape[-2]}x{latent_shape[-1]} at {height}x{width}")
         cfg = guidance_scale > 1.0
 
         gen = torch.Generator().manual_seed(seed)
@@ -338,7 +334,7 @@ class DiffusionPolicy:
                     eps = torch.randn(x.shape, generator=gen).to(self.device)
                     x, log_prob, _, _ = step_unheld(
                         algo.sde_step, held, v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level,
-                        sde_type=sde_type, noise=eps, noise_block=noise_block,
+                        sde_type=sde_type, noise=eps,
                     )
                     recorded.append(x)
                     log_probs.append(log_prob)
@@ -365,7 +361,6 @@ class DiffusionPolicy:
             guidance_scale=guidance_scale,
             noise_level=noise_level,
             sde_type=sde_type,
-            noise_block=noise_block,
             window_start=start,
             window_size=end - start,
             height=height,
@@ -459,7 +454,6 @@ class DiffusionPolicy:
         sigma_max: float | Tensor | None = None,
         with_ref: bool = False,
         uncond_grad: bool = False,
-        noise_block: int = 1,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """Score recorded steps x_j -> x_{j+1} of a micro-batch with gradients through the
         transformer: (log_prob [B], mean, std, ref_mean or None). sigma, sigma_next: [B] (each
@@ -472,7 +466,7 @@ class DiffusionPolicy:
         x_next = latents_next.to(self.device, torch.float32)
         cond = (prompt_embeds, pooled, neg_embeds, neg_pooled)
         held = self.adapter.held_frames(pooled)
-        step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next, noise_block=noise_block)
+        step = dict(noise_level=noise_level, sde_type=sde_type, sigma_max=sigma_max, prev_sample=x_next)
         v = self._velocity(x, sigma, *cond, guidance_scale=guidance_scale, uncond_grad=uncond_grad)
         _, log_prob, mean, std = step_unheld(algo.sde_step, held, v, x, sigma, sigma_next, **step)
         ref_mean = None

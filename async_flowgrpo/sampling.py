@@ -17,7 +17,6 @@ def rollout_sampling(r: RolloutConfig) -> dict:
         guidance_scale=r.guidance_scale,
         noise_level=r.noise_level,
         sde_type=r.sde_type,
-        noise_block=r.noise_block,
         window_size=0 if r.sampler == "ode" else r.sde_window_size or r.num_steps - 1,  # 0: ODE, final latent
         window_range=tuple(r.sde_window_range) if r.sde_window_range else None,
         shared_initial_noise=r.shared_initial_noise,

@@ -25,7 +25,6 @@ class SamplingParams:
     window_size: int  # number of recorded steps; 0 means a pure ODE sample (evaluation)
     height: int
     width: int
-    noise_block: int = 1  # the window's noise in b x b latent patches (algo.sde_step); 1 = white
 
 
 @dataclass

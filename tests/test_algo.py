@@ -171,51 +171,6 @@ def test_bad_sde_type_and_zero_noise_raise():
         algo.sde_step(v, x, 0.5, 0.4, noise_level=0.0)
 
 
-def test_block_noise_moves_patch_means_and_scores_their_coordinates():
-    """noise_block b: x' - mean is constant on b x b patches, the mean differs from the white-noise
-    step's only by the patch means of the drift correction, and the log-prob is the standard normal
-    density of the k = D / b^2 orthonormal coordinates b * patch mean((x' - mean) / std), averaged."""
-    shape = (3, 2, 4, 6)
-    v, x, eps = rand(*shape, seed=40), rand(*shape, seed=41), rand(*shape, seed=42)
-    xp, lp, mean, std = algo.sde_step(v, x, 0.6, 0.5, noise_level=0.7, noise=eps, noise_block=2)
-    moved = xp - mean
-    torch.testing.assert_close(moved, algo.block_project(eps.float(), 2) * std)
-    _, _, white_mean, white_std = algo.sde_step(v, x, 0.6, 0.5, noise_level=0.7, noise=eps)
-    torch.testing.assert_close(std, white_std)
-    drift = x.float() + v.float() * (0.5 - 0.6)  # the step without the noise's correction
-    torch.testing.assert_close(mean - drift, algo.block_project(white_mean - drift, 2), rtol=1e-5, atol=1e-6)
-    coords = 2 * algo.block_mean(moved / std, 2)  # [3, 2, 2, 3]: 12 coordinates a sample
-    expected = torch.distributions.Normal(0.0, 1.0).log_prob(coords).flatten(1).mean(1) - torch.log(std.flatten())
-    torch.testing.assert_close(lp, expected, rtol=1e-5, atol=1e-5)
-    _, lp_again, _, _ = algo.sde_step(v, x, 0.6, 0.5, noise_level=0.7, prev_sample=xp, noise_block=2)  # the replay
-    torch.testing.assert_close(lp_again, lp)
-    with pytest.raises(ValueError, match="divide"):
-        algo.sde_step(v, x, 0.6, 0.5, noise_level=0.7, noise=eps, noise_block=4)  # 4 does not divide 6
-    with pytest.raises(ValueError, match="sde_type"):
-        algo.sde_step(v, x, 0.6, 0.5, noise_level=0.7, sde_type="cps", noise_block=2)
-
-
-def test_block_noise_keeps_the_odes_marginals():
-    """The SDE with block noise and its drift correction projected the same way has the ODE's
-    marginals: from N(0, 1) at s = 1 to data N(0, a^2) (whose velocity is exact), every pixel ends
-    with variance a^2 and uncorrelated with its neighbours, inside and across patches. White noise
-    with the block noise's patches but the whole correction would end at variance 0.02."""
-    a, steps = 0.5, 200
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8000, 1, 8, 8, generator=gen)
-    sigmas = torch.linspace(1, 0, steps + 1).tolist()
-    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
-        v = x * (s - (1 - s) * a**2) / ((1 - s) ** 2 * a**2 + s**2)
-        if s == 1 or s_next == 0:  # no noise where sqrt(s / (1 - s)) is infinite, none into s' = 0
-            x = algo.ode_step(v, x, s, s_next)
-        else:
-            x = algo.sde_step(v, x, s, s_next, noise_level=0.7, noise_block=4, generator=gen)[0]
-    assert x.var().item() == pytest.approx(a**2, abs=0.01)
-    assert algo.block_mean(x, 4).var().item() == pytest.approx(a**2 / 16, abs=0.001)
-    assert abs((x[..., 0, 0] * x[..., 0, 1]).mean().item()) < 0.01  # same patch
-    assert abs((x[..., 0, 3] * x[..., 0, 4]).mean().item()) < 0.01  # neighbours in two patches
-
-
 @pytest.mark.parametrize("s,s_next,_", SIGMAS)
 def test_ode_step(s, s_next, _):
     v, x = rand(*SHAPE, seed=26), rand(*SHAPE, seed=27)

@@ -6,7 +6,6 @@ import os
 import pytest
 import torch
 
-from async_flowgrpo import algo
 from async_flowgrpo.models.tiny_sd3 import make_tiny_model_dir
 from async_flowgrpo.policy import DiffusionPolicy
 
@@ -35,7 +34,7 @@ def gen(policy, *, seed=0, guidance=4.5, sde_type="sde", window_size=STEPS - 1, 
     )
 
 
-def recompute(policy, items, *, with_ref=False, noise_block=None):
+def recompute(policy, items, *, with_ref=False):
     """items: (group, sample k, step j) triples, scored as one micro-batch."""
     g0 = items[0][0]
     cfg = g0.negative_prompt_embeds is not None
@@ -56,7 +55,6 @@ def recompute(policy, items, *, with_ref=False, noise_block=None):
         noise_level=g0.params.noise_level,
         sde_type=g0.params.sde_type,
         with_ref=with_ref,
-        noise_block=g0.params.noise_block if noise_block is None else noise_block,
     )
 
 
@@ -81,25 +79,6 @@ def test_recompute_reproduces_recorded_log_probs(policy, sde_type, guidance, win
     log_prob = recompute(policy, items)[0]
     recorded = torch.stack([g.log_probs[k, j] for g, k, j in items])
     torch.testing.assert_close(log_prob.detach(), recorded, rtol=0, atol=1e-5)
-
-
-def test_block_noise_is_recorded_moves_patch_means_only_and_replays(policy):
-    """rollout.noise_block 2: each window step moves the latent by a patch-constant amount from the
-    SDE's mean, the group records the block, and the trainer's recompute reproduces the recorded
-    log-probs with it (and not without it)."""
-    groups = gen(policy, window_size=2, window_range=(1, 5), seed=5, noise_block=2)
-    g = groups[0]
-    assert g.params.noise_block == 2
-    items = [(g, k, 0) for k in range(g.size)]
-    log_prob, mean, _, _ = recompute(policy, items)
-    moved = g.latents[:, 1] - mean.detach()
-    torch.testing.assert_close(moved, algo.block_project(moved, 2), rtol=0, atol=1e-5)
-    assert moved.abs().max() > 1e-3
-    for j in range(2):
-        items = [(g, k, j) for g in groups for k in range(g.size)]
-        recorded = torch.stack([g.log_probs[k, j] for g, k, j in items])
-        torch.testing.assert_close(recompute(policy, items)[0].detach(), recorded, rtol=0, atol=1e-5)
-        assert (recompute(policy, items, noise_block=1)[0].detach() - recorded).abs().max() > 1e-2
 
 
 def test_recompute_has_gradients_and_lora_starts_at_reference(policy):

@@ -80,7 +80,6 @@ def validate(s: FlowGRPOSettings, c: Any, require) -> None:
     require(s.is_mode in IS_MODES, f"{key}.is_mode", f"must be one of {', '.join(IS_MODES)}, got {s.is_mode!r}")
     if s.ratio_norm:
         require(c.rollout.sde_type == "sde", f"{key}.ratio_norm", "RatioNorm is derived for sde_type sde; use rollout.sde_type=sde")
-        require(c.rollout.noise_block == 1, f"{key}.ratio_norm", "RatioNorm is derived for white noise; use rollout.noise_block=1")
         require(s.prox_mode == "recompute", f"{key}.ratio_norm",
                 "needs the proximal policy's step means, which only recompute has; use prox_mode=recompute")
     require(s.window_shift_every >= 0, f"{key}.window_shift_every", "must be >= 0 (0 = off)")
@@ -339,24 +338,24 @@ class FlowGRPOLearner(Learner):
                      cat["fresh"], cat["step"], cat["group"].to(dev), cond, starts)
 
     @staticmethod
-    def _sampling(groups: list[Group]) -> tuple[float, float, str, int]:
+    def _sampling(groups: list[Group]) -> tuple[float, float, str]:
         """The settings recompute replays; one batch is trained with one set of them."""
-        keys = {(g.params.guidance_scale, g.params.noise_level, g.params.sde_type, g.params.noise_block) for g in groups}
+        keys = {(g.params.guidance_scale, g.params.noise_level, g.params.sde_type) for g in groups}
         if len(keys) != 1:
-            raise ValueError(f"groups in one train_step must share guidance_scale, noise_level, sde_type, noise_block; got {keys}")
+            raise ValueError(f"groups in one train_step must share guidance_scale, noise_level, sde_type; got {keys}")
         return keys.pop()
 
     def _forward(self, rows: _Rows, sel: slice, sampling, with_ref: bool) -> tuple[Tensor, Tensor | None, Tensor, Tensor]:
         """Log-probs (and the KL to the reference), means and stds of rows `sel`: one transformer
         call for all of them, each row at its own step's sigma with its own group's conditioning."""
-        guidance_scale, noise_level, sde_type, noise_block = sampling
+        guidance_scale, noise_level, sde_type = sampling
         group = rows.group[sel]
         cond = [None if c is None else c[group] for c in rows.cond]
         sigma, sigma_next = rows.sigma[sel], rows.sigma_next[sel]
         log_prob, mean, std, ref_mean = self.policy.recompute(
             rows.x[sel], rows.x_next[sel], sigma, sigma_next, *cond,
             guidance_scale=guidance_scale, noise_level=noise_level, sde_type=sde_type,
-            with_ref=with_ref, uncond_grad=self.uncond_grad, noise_block=noise_block,
+            with_ref=with_ref, uncond_grad=self.uncond_grad,
         )
         kl = None
         if with_ref:
@@ -370,9 +369,8 @@ class FlowGRPOLearner(Learner):
         sampling = self._sampling(groups)
         minis = self._minis(len(rows.starts) - 1)
         dev = self.policy.device
-        # D: the recorded log-probs are means over a latent's sampled entries (not a held first frame),
-        # or over its D / b^2 patch coordinates with block noise (rollout.noise_block b)
-        elements = self.policy.sampled_elements(rows.x[0], rows.cond[1][0]) // sampling[3] ** 2
+        # D: the recorded log-probs are means over a latent's sampled entries (not a held first frame)
+        elements = self.policy.sampled_elements(rows.x[0], rows.cond[1][0])
         is_kw = dict(correction=self.is_correction, elements=elements)
 
         # log-probs (and, for RatioNorm, step means) under the weights at the start of the update, per row

@@ -695,15 +695,12 @@ class VllmOmniEngine:
         width: int | None = None,
         prompt_indices: list[int] | None = None,
         metadata: list[dict] | None = None,
-        noise_block: int = 1,
     ) -> list[Group]:
         """n samples for each prompt (one vllm-omni request each, run concurrently), one Group per
         prompt, every step stamped with the version the request was submitted with. Every step is
-        the engine's own (config.validate refuses MixGRPO-Flash's after_window_* and block noise here)."""
+        the engine's own (config.validate refuses MixGRPO-Flash's after_window_* here)."""
         if (after_window_solver, after_window_steps) != ("euler", 1.0):
             raise ValueError("the vllm_omni engine takes every step after the window by Euler")
-        if noise_block != 1:
-            raise ValueError("the vllm_omni engine draws white noise (noise_block 1)")
         self.apply_staged()
         version = self._version
         requests = build_requests(
