@@ -133,6 +133,9 @@ SHAPES = {
                             resolution=512, source_images=1, full_fine_tuning=False),
     "wan22_i2v_a14b": dict(family="wan", variant="wan22_i2v_a14b", config="wan22_i2v_a14b", transformer=WAN22_I2V_A14B,
                            text_tokens=512, resolution=480, num_frames=33, source_images=1, full_fine_tuning=False),
+    # TI2V-5B given a first frame: against WanImageToVideoPipeline with expand_timesteps (no image encoder)
+    "wan22_ti2v_5b_image": dict(family="wan", variant="wan22_ti2v_5b", config="wan22_ti2v_5b", transformer=WAN22_TI2V_5B,
+                                vae=WAN22_VAE, text_tokens=512, resolution=480, num_frames=33, source_images=1),
     # tiny twins: the same code on CPU in seconds (tests); the image-conditioned ones are CPU checks by hand (Kontext's
     # and I2V's about 9 s, Qwen-Image-Edit's minutes: its pipeline resizes every source to 1024 x 1024)
     "tiny": dict(family="sd3", config="sd35_medium", clip=((32, 1, 2), (32, 1, 2)), text_tokens=4, resolution=64,
@@ -173,6 +176,16 @@ SHAPES = {
                                 transformer=_tiny(WAN22_I2V_A14B, num_attention_heads=2, attention_head_dim=12,
                                                   text_dim=32, freq_dim=32, ffn_dim=48, num_layers=1, rope_max_seq_len=32),
                                 vae=dict(base_dim=8), full_fine_tuning=False),
+    "tiny_wan22_ti2v_5b_image": dict(family="wan", variant="wan22_ti2v_5b", config="wan22_ti2v_5b", text_tokens=8,
+                                     resolution=64, num_frames=5, source_images=1,
+                                     transformer=_tiny(WAN22_TI2V_5B, num_attention_heads=2, attention_head_dim=12,
+                                                       text_dim=32, freq_dim=32, ffn_dim=48, num_layers=1,
+                                                       rope_max_seq_len=32),
+                                     # tiny_wan's Wan2.2 layout: 2 x 2 pixel patches, one 2x stage in space and time
+                                     vae=dict(base_dim=8, decoder_base_dim=8, z_dim=48, dim_mult=[1, 1], num_res_blocks=1,
+                                              temperal_downsample=[True], is_residual=True, patch_size=2, in_channels=12,
+                                              out_channels=12, scale_factor_spatial=4, scale_factor_temporal=2,
+                                              latents_mean=[0.0] * 48, latents_std=[1.0] * 48)),
 }
 PROMPTS = ["a red circle left of a blue square", "two green triangles", "a yellow star above a purple circle",
            "three blue squares"]
@@ -531,6 +544,14 @@ def section_rollout(args, shape, device, peaks, result, save):
     enc = adapter.encode_prompts(prompts, cfg=True, **images)
     calls = pipeline_calls(shape, enc, metadata, args.group_size, sampling, cfg.model.guidance_scale_2)
     pipe = adapter.pipeline
+    if metadata is not None and type(pipe).__name__ == "WanPipeline":
+        # TI2V-5B given a first frame: its checkpoint is a WanPipeline, which takes no image; diffusers'
+        # image-to-video pipeline over the same modules does (its expand_timesteps branch: the image's
+        # latent as the first frame, at timestep 0), which is what our adapter reproduces
+        from diffusers import WanImageToVideoPipeline
+
+        pipe = WanImageToVideoPipeline(**pipe.components, boundary_ratio=pipe.config.boundary_ratio,
+                                       expand_timesteps=pipe.config.expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
 
     def pipeline_call():
@@ -565,9 +586,9 @@ def section_rollout(args, shape, device, peaks, result, save):
     log(f"rollout (LoRA attached): {r['images_per_s']} images/s = {r['vs_pipeline']} x the pipeline; "
         f"monitor {result.get('gpu_monitor')}")
     policy.adapter.transformer.disable_adapters()  # what the adapters cost, apart from our sampling loop
-    secs = timed(rollout, device, args.repeats)
+    flops, secs = counted_and_timed(rollout, device, args.repeats)
     policy.adapter.transformer.enable_adapters()
-    result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
+    result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs), "flops_per_image": flops / n}
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
     if not args.skip_fused:

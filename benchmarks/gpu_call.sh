@@ -38,4 +38,5 @@ run flux_train 90 --shape flux_dev --train-only --train-rows 8 --repeats 1 --pro
 run kontext 170 --shape flux_kontext --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
 run qwen_edit 240 --shape qwen_image_edit --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
 run wan22_i2v_a14b 220 --shape wan22_i2v_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
+run wan22_ti2v_image 120 --shape wan22_ti2v_5b_image --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 echo "== total $(( $(date +%s) - START ))s" >> "$OUT/log.txt"

@@ -51,16 +51,22 @@ def test_tiny_run_fills_every_section(gpu, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", ["tiny_flux", "tiny_qwen_image", "tiny_wan", "tiny_wan22_a14b"])
+@pytest.mark.parametrize("shape", ["tiny_flux", "tiny_qwen_image", "tiny_wan", "tiny_wan22_a14b", "tiny_wan22_ti2v_5b_image"])
 def test_every_family_runs_the_rollout_and_trainer_sections(gpu, tmp_path, shape):
     """Each family's pipeline call takes the conditioning our adapter made, and our rollout and
-    trainer run on the model built in memory (full fine-tuning only where the shape allows it)."""
+    trainer run on the model built in memory (full fine-tuning only where the shape allows it).
+    TI2V-5B given a first frame: a WanPipeline checkpoint, timed against diffusers' image-to-video
+    pipeline over the same modules."""
     result = gpu.main(["--shape", shape, "--device", "cpu", "--repeats", "1", "--skip-embedded", "--skip-fused",
                        "--prompts", "1", "--group-size", "4", "--train-rows", "16", "--out", str(tmp_path / "gpu.json")])
     assert result["errors"] == {}
     assert result["pipeline"]["images_per_s"] > 0 and result["rollout"]["images_per_s"] > 0
-    # the same model and steps: FLOPs per image agree within what the adapters and text encoding add
-    assert 0.95 < result["rollout"]["flops_per_image"] / result["pipeline"]["flops_per_image"] < 1.2
+    # the same model and steps: with the adapters off, FLOPs per image agree within what encoding the
+    # prompts adds (the pipeline is handed their embeddings; measured 1.00); the LoRA adds to that
+    # (rank 16 on 24-wide layers: 0.31 of the pipeline's on the tiny TI2V twin, 0.02 on tiny Wan2.1)
+    off, pipeline = result["rollout_adapters_off"]["flops_per_image"], result["pipeline"]["flops_per_image"]
+    assert 0.95 < off / pipeline < 1.1
+    assert off < result["rollout"]["flops_per_image"] < 1.5 * pipeline
     assert result["train_lora_micro16"]["model_flops_per_image"] > 0 and result["engine"]["bit_exact"]
     assert ("train_full" in result) == gpu.SHAPES[shape].get("full_fine_tuning", True)
 
@@ -70,7 +76,7 @@ def test_real_shapes_build_on_the_meta_device(gpu):
     the sizes are the public ones (parameters of the transformer, billions)."""
     expected = {"sd35_medium": 2.2, "flux_dev": 11.9, "qwen_image": 20.4, "wan21_1_3b": 1.4,
                 "wan22_a14b": 14.3, "wan22_ti2v_5b": 5.0,  # A14B: each of its two experts
-                "flux_kontext": 11.9, "qwen_image_edit": 20.4, "wan22_i2v_a14b": 14.3}
+                "flux_kontext": 11.9, "qwen_image_edit": 20.4, "wan22_i2v_a14b": 14.3, "wan22_ti2v_5b_image": 5.0}
     import diffusers
 
     classes = {"sd3": "SD3Transformer2DModel", "flux": "FluxTransformer2DModel",
