@@ -81,6 +81,18 @@ def _case(model_dir, name):
     return _run(_config(model_dir, *CASES[name]), steps=2)
 
 
+def _assert_digests_close(got, pinned, rel, what):
+    """Digests (rows: sum, sum of squares, first entries) equal up to `rel` of the whole set's norm.
+    Per-entry tolerances fail across CPUs: the sampled images' uint8 rounding and the BLAS kernels
+    differ, and a small gradient row is a near-cancelling sum (its sum of squares moved 1.4 %, the
+    largest move 3e-4 of the batch gradient's norm, between the machine that wrote the pin and an
+    AMD EPYC one). Doubling the KL weight or a 1 % change of lr still fails."""
+    norm = float(pinned[:, 1].sum().sqrt())
+    torch.testing.assert_close(got[:, 1], pinned[:, 1], rtol=0, atol=rel * norm**2, msg=lambda m: f"{what}, sum of squares: {m}")
+    cols = [0, *range(2, pinned.shape[1])]
+    torch.testing.assert_close(got[:, cols], pinned[:, cols], rtol=0, atol=rel * norm, msg=lambda m: f"{what}: {m}")
+
+
 @pytest.mark.parametrize("name", ["flow_grpo", "diffusion_nft"])
 def test_numbers_unchanged_by_the_move(tiny_model_dir, name):
     pinned = torch.load(PIN)[name]
@@ -90,11 +102,11 @@ def test_numbers_unchanged_by_the_move(tiny_model_dir, name):
         keys = p.keys() - {"train/time_s"}
         assert keys <= m.keys()
         for k in keys:
-            assert m[k] == pytest.approx(p[k], rel=1e-5, abs=1e-7), k
+            assert m[k] == pytest.approx(p[k], rel=2e-3, abs=1e-7), k
     assert len(got["grads"]) == len(pinned["grads"])
     for call, (g, p) in enumerate(zip(got["grads"], pinned["grads"])):
-        torch.testing.assert_close(g, p, rtol=1e-5, atol=1e-9, msg=lambda m: f"optimizer step {call}: {m}")
-    torch.testing.assert_close(got["state"], pinned["state"], rtol=1e-5, atol=1e-9)
+        _assert_digests_close(g, p, 1e-3, f"optimizer step {call}")
+    _assert_digests_close(got["state"], pinned["state"], 1e-5, "weights after")
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:

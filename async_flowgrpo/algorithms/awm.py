@@ -278,10 +278,8 @@ class AWMLearner(SoftCopyLearner):
                 ratios += mb_ratios
 
         decay = nft_old_decay(self.updates, **self.decay)
-        with torch.no_grad():  # new dicts: the published copies stay as they were
-            theta = self.policy.trainable_state()
-            self.old = {k: decay * self.old[k] + (1 - decay) * theta[k] for k in theta}
-            self.copies_by_version.publish(version + 1, {k: t.clone() for k, t in theta.items()})
+        theta = self._move_old(decay)
+        self.copies_by_version.publish(version + 1, {k: t.clone() for k, t in theta.items()})
 
         metrics = batch_metrics(groups, version)
         metrics.update({

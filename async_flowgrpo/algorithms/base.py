@@ -231,6 +231,14 @@ class SoftCopyLearner(Learner):
     updates: int
     copies_by_version: VersionedCopies
 
+    def _move_old(self, decay: float) -> dict[str, Tensor]:
+        """old <- decay * old + (1 - decay) * theta, as a new dict (the published and snapshotted
+        copies stay as they were); returns theta, the trained weights now."""
+        with torch.no_grad():
+            theta = self.policy.trainable_state()
+            self.old = {n: decay * self.old[n] + (1 - decay) * theta[n] for n in theta}
+        return theta
+
     def _extra_state(self) -> dict:
         return {"old": self.old, "updates": self.updates}
 

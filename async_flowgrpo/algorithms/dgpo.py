@@ -326,9 +326,7 @@ class DGPOLearner(SoftCopyLearner):
                 clipped_all += mb_clipped
 
         decay = nft_old_decay(self.updates, **self.decay)
-        with torch.no_grad():  # a new dict: the published copies stay as they were
-            theta = self.policy.trainable_state()
-            self.old = {k: decay * self.old[k] + (1 - decay) * theta[k] for k in theta}
+        self._move_old(decay)
         self.copies_by_version.publish(version + 1, self.old)
 
         stale = points.version != version

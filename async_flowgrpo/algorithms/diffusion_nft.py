@@ -309,9 +309,7 @@ class NFTLearner(SoftCopyLearner):
                 samples_trained += s1 - s0
 
         decay = nft_old_decay(self.updates, **self.decay)
-        with torch.no_grad():  # a new dict: published and snapshotted copies stay as they were
-            theta = self.policy.trainable_state()
-            self.old = {n: decay * self.old[n] + (1 - decay) * theta[n] for n in theta}
+        self._move_old(decay)
         self.copies_by_version.publish(version + 1, self.old)
 
         metrics = batch_metrics(groups, version)
