@@ -127,12 +127,19 @@ def summarize_run(run_dir: str) -> dict:
     rewards = [r["reward/mean"] for r in rows if "reward/mean" in r]
     quarter = max(1, len(rewards) // 4)
     steps = sorted(evals)
+    # the run's seconds at each evaluation less the evaluations' own (time_s is written after it)
+    train_s, eval_s = {}, 0.0
+    for r in rows:
+        if metric in r and "time_s" in r:
+            eval_s += r.get("eval/time_s", 0.0)
+            train_s[r["step"]] = round(r["time_s"] - eval_s, 1)
     return {
         "seed": info["seed"],
         "command": info["command"],
         "wall_s": info["wall_s"],
         "eval_metric": metric,
         "eval_accuracy": {s: round(evals[s], 4) for s in steps},  # of eval_metric
+        "eval_train_s": {s: train_s[s] for s in steps if s in train_s},  # seconds of the run but its evaluations
         "rise": round(evals[steps[-1]] - evals[steps[0]], 4),
         "reward_first_quarter": round(sum(rewards[:quarter]) / quarter, 4),
         "reward_last_quarter": round(sum(rewards[-quarter:]) / quarter, 4),
@@ -230,12 +237,14 @@ def first_step_at(run: dict, target: float) -> int | None:
 
 
 def compare_row(summary: dict, target: float) -> dict:
-    """One name's seeds in a line: the last evaluation, its rise, the other CFG's, the steps to a
-    rise of `target`, how far the last evaluation is under the run's best, a trainer step's time."""
+    """One name's seeds in a line: the last evaluation, its rise, the other CFG's, the steps (and the
+    run's seconds, evaluations left out) to a rise of `target`, how far the last evaluation is under
+    the run's best, a trainer step's time."""
     runs, n = summary["runs"], summary["n"]
     last = [list(r["eval_accuracy"].values())[-1] for r in runs]
     reached = [first_step_at(r, target) for r in runs]
     hit = sorted(s for s in reached if s is not None)
+    secs = sorted(r["eval_train_s"][s] for r, s in zip(runs, reached) if s is not None and s in r["eval_train_s"])
     other = {}
     for g in sorted({g for r in runs for g in r["final_at_cfg"]}):
         values = [r["final_at_cfg"][g] for r in runs if g in r["final_at_cfg"]]
@@ -247,6 +256,8 @@ def compare_row(summary: dict, target: float) -> dict:
             "rise_mean": summary["rise_mean"], "rise_se": summary["rise_se"], "rise_worst": summary["rise_worst"],
             "other_cfg": other, "target": target, "reached": len(hit), "steps_to_target": hit,
             "step_to_target_median": _median([float(s) for s in hit]) if len(hit) * 2 > n else None,  # else the range
+            "seconds_to_target": secs,
+            "seconds_to_target_median": _median(secs) if len(hit) * 2 > n and len(secs) == len(hit) else None,
             "best_minus_last_max": round(max(max(r["eval_accuracy"].values()) - l for r, l in zip(runs, last)), 4),
             "train_step_s_median": _median(times)}
 
@@ -254,19 +265,21 @@ def compare_row(summary: dict, target: float) -> dict:
 def compare_table(rows: list[dict]) -> str:
     target = rows[0]["target"]
     lines = ["| name | mode | seeds | CFG | step 0 | last: mean (worst) | rise: mean (SE), worst | last at the other CFG: mean (worst) "
-             f"| to +{target:g}: median step (seeds) | best - last, max | trainer step, median |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"| to +{target:g}: median step (seeds) | seconds | best - last, max | trainer step, median |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         other = "; ".join(f"CFG {float(g):g}: {o['mean']:.3f} ({o['worst']:.3f})" + (f", n={o['n']}" if o["n"] != r["n"] else "")
                           for g, o in r["other_cfg"].items()) or "-"
         step = ("never" if not r["reached"] else f"{r['step_to_target_median']:g}" if r["step_to_target_median"] is not None
                 else "-".join(f"{s:g}" for s in sorted({min(r["steps_to_target"]), max(r["steps_to_target"])})))
+        secs = ("-" if not r["seconds_to_target"] else f"{r['seconds_to_target_median']:.0f}" if r["seconds_to_target_median"] is not None
+                else "-".join(f"{t:.0f}" for t in sorted({min(r["seconds_to_target"]), max(r["seconds_to_target"])})))
         seeds = ",".join(str(s) for s in r["seeds"])
         se = "n/a" if math.isnan(r["rise_se"]) else f"{r['rise_se']:.3f}"
         t = "n/a" if r["train_step_s_median"] is None else f"{r['train_step_s_median']:.2f} s"
         lines.append(f"| {r['name']} | {r['mode']} | {seeds} | {r['eval_guidance_scale']:g} | {r['step0']:.3f} | "
                      f"{r['last_mean']:.3f} ({r['last_worst']:.3f}) | {r['rise_mean']:+.3f} ({se}), {r['rise_worst']:+.3f} | "
-                     f"{other} | {step} ({r['reached']}/{r['n']}) | {r['best_minus_last_max']:.3f} | {t} |")
+                     f"{other} | {step} ({r['reached']}/{r['n']}) | {secs} | {r['best_minus_last_max']:.3f} | {t} |")
     return "\n".join(lines)
 
 

@@ -21,10 +21,10 @@ def fake_cell(sweep, algorithm, eta, correction, seed, accuracies, staleness):
     rows = []
     for step in range(1, 10 * (len(accuracies) - 1) + 1):
         row = {"step": step, "reward/mean": 0.5, "staleness/mean": staleness}
-        if step % 10 == 0:
-            row["eval/accuracy"] = accuracies[step // 10]
+        if step % 10 == 0:  # a second a step, an evaluation 5 s: time_s is written after it
+            row.update({"eval/accuracy": accuracies[step // 10], "eval/time_s": 5.0, "time_s": 5.0 * (step // 10 + 1) + step})
         rows.append(row)
-    rows.insert(0, {"step": 0, "eval/accuracy": accuracies[0]})
+    rows.insert(0, {"step": 0, "eval/accuracy": accuracies[0], "eval/time_s": 5.0, "time_s": 5.0})
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.write("\n".join(json.dumps(r) for r in rows) + "\n")
     with open(os.path.join(out, "run.json"), "w") as f:
@@ -132,8 +132,9 @@ def test_seed_runs_compare_puts_each_name_in_one_row(sweep):
     assert row["steps_to_target"] == [10] and row["reached"] == 1 and row["step_to_target_median"] is None
     assert row["last_mean"] == pytest.approx((0.72 + 0.68 + 0.65) / 3, abs=1e-4) and row["last_worst"] == 0.65
     assert row["best_minus_last_max"] == pytest.approx(0.03) and row["mode"] == "fully_async"
-    assert "| 10 (1/3) |" in seed_runs.compare_table([row])
+    assert "| 10 (1/3) | 10 |" in seed_runs.compare_table([row])  # one seed of three: its seconds, not a median
     row = seed_runs.compare_row(seed_runs.summarize(name), target=0.055)  # seeds 0 and 1 at steps 10 and 20
     assert row["steps_to_target"] == [10, 20] and row["step_to_target_median"] == 15
-    assert "| 15 (2/3) |" in seed_runs.compare_table([row])
+    assert row["seconds_to_target"] == [10.0, 20.0] and row["seconds_to_target_median"] == 15  # evaluations left out
+    assert "| 15 (2/3) | 15 |" in seed_runs.compare_table([row])
     assert seed_runs.first_step_at({"eval_accuracy": {"0": 0.6, "10": 0.59}}, 0.0) is None  # step 0 itself never counts
