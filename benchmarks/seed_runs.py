@@ -289,7 +289,7 @@ def plot(summaries: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7 + 3 * (len(summaries) > 3), 4))
     for k, s in enumerate(summaries):
         color = f"C{k}"
         for i, r in enumerate(s["runs"]):
@@ -301,7 +301,10 @@ def plot(summaries: list[dict], path: str) -> None:
     ax.set_xlabel("trainer step")
     ax.set_ylabel("held-out accuracy")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if len(summaries) > 3:  # beside the axes: inside it would hide curves
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
