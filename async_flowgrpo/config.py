@@ -608,10 +608,6 @@ def validate(c: Config) -> None:
                  f"its rows carry \"images\", but model.family {c.model.family} takes none, as {model_dir} holds it "
                  f"(image-conditioned: families {', '.join(IMAGE_FAMILIES)}, and wan with Wan2.2 I2V or TI2V models)")
         _require(not has or r.engine == "diffusers", "rollout.engine", "input images need the diffusers engine")
-        # their losses on noised final latents would cover the held first frame too
-        _require(not (has and takes == "optional" and key == "rollout.prompts") or c.algorithm.name == "flow_grpo",
-                 "algorithm.name",
-                 f"{c.algorithm.name} with a first frame (Wan2.2 TI2V-5B image to video) is not served yet; use flow_grpo")
     if r.prompt_mix is not None:
         _require(bool(r.prompt_mix) and all(w >= 0 for w in r.prompt_mix.values()) and sum(r.prompt_mix.values()) > 0,
                  "rollout.prompt_mix", "must map kinds to weights >= 0, not all 0")

@@ -260,7 +260,7 @@ def _weighted_likelihood(learner, groups, seed):
     torch.manual_seed(seed)
     points, eps = learner._points(groups)
     with torch.no_grad():
-        v = learner._velocity(points, slice(None), 1.0)
+        v = points.velocity(learner.policy, slice(None), 1.0)
         return float((points.r.double() * learner._log_lik(v, points, eps, slice(None))).sum())
 
 
@@ -293,10 +293,10 @@ def test_a_stale_awm_sample_is_weighted_against_the_weights_that_generated_it(ti
     held = {k: t.clone() for k, t in learner.policy.trainable_state().items()}
     learner.policy.load_trainable_state(v0)
     with torch.no_grad():
-        expected_old = learner._log_lik(learner._velocity(points, slice(None), 1.0), points, eps, slice(None))
+        expected_old = learner._log_lik(points.velocity(learner.policy, slice(None), 1.0), points, eps, slice(None))
     learner.policy.load_trainable_state(held)
     with torch.no_grad():
-        now = learner._log_lik(learner._velocity(points, slice(None), 1.0), points, eps, slice(None))
+        now = learner._log_lik(points.velocity(learner.policy, slice(None), 1.0), points, eps, slice(None))
     u = torch.exp(now - expected_old)
     torch.manual_seed(7)
     m = learner.train_step(stale, version=1)  # one version stale

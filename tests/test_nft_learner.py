@@ -54,7 +54,7 @@ def batch_loss(learner, groups, seed):
     points = learner._points(groups)
     v_old, _ = learner._old_velocities(points, 1.0)
     with torch.no_grad():
-        v = learner._velocity(points, slice(None), 1.0)
+        v = points.velocity(learner.policy, slice(None), 1.0)
         return float(diffusion_nft.nft_loss(v, v_old, points.x_t, points.x0, points.sigma, points.r, beta=learner.nft_beta).mean())
 
 
@@ -105,7 +105,7 @@ def test_v_old_comes_from_the_version_that_generated_the_sample(model_dir):
     expected = rollout_policy.velocity(points.x_t, points.sigma, points.embeds[points.group], points.pooled[points.group])
     torch.testing.assert_close(v_old, expected.detach())
     assert all(torch.equal(v, theta[k]) for k, v in learner.policy.trainable_state().items())  # theta restored
-    assert not torch.allclose(v_old, learner._velocity(points, slice(None), 1.0).detach())
+    assert not torch.allclose(v_old, points.velocity(learner.policy, slice(None), 1.0).detach())
 
     # a group older than the snapshots kept falls back to the current old copy, counted
     for g in stale:
@@ -202,10 +202,10 @@ def test_points_in_one_call_equal_one_point_at_a_time(family, tmp_path):
     params = policy.trainable_parameters()
     total = 0.0
     for i in range(len(points)):  # one point per call
-        v = learner._velocity(points, slice(i, i + 1), 1.0)
+        v = points.velocity(learner.policy, slice(i, i + 1), 1.0)
         loss = diffusion_nft.nft_loss(v, v_old[i : i + 1], points.x_t[i : i + 1], points.x0[i : i + 1], points.sigma[i : i + 1],
                              points.r[i : i + 1], beta=learner.nft_beta).sum()
-        loss = loss + 0.1 * ((v - learner._velocity(points, slice(i, i + 1), 1.0, reference=True)) ** 2).mean()
+        loss = loss + 0.1 * ((v - points.velocity(learner.policy, slice(i, i + 1), 1.0, reference=True)) ** 2).mean()
         (loss / len(points)).backward()
         total += float(loss.detach())
     expected = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in params]

@@ -249,8 +249,8 @@ def test_prompt_file_images_are_validated_for_the_model(twins, tmp_path, capsys)
     wan21 = make_tiny_wan_dir(str(tmp_path / "wan21"))
     with pytest.raises(ConfigError, match=r"^rollout.prompts: its rows carry \"images\", but model.family wan takes none"):
         load_config("sync", [f"model.path={wan21}", *video, f"rollout.prompts={framed}", f"eval.prompts={text}"])
-    with pytest.raises(ConfigError, match=r"^algorithm.name: diffusion_nft with a first frame"):
-        load_config("sync", overrides("wan22_ti2v_5b", framed, "algorithm.name=diffusion_nft"))
+    # every algorithm takes a first frame (the likelihood-free ones' losses leave it out: below)
+    assert load_config("sync", overrides("wan22_ti2v_5b", framed, "algorithm.name=diffusion_nft")).algorithm.name == "diffusion_nft"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_:
         config_or_exit("sync", overrides("wan22_i2v_a14b", bad))
@@ -305,3 +305,41 @@ def test_diffusion_nft_trains_on_i2v_groups(twins):
         g.advantages = torch.tensor([1.0, -1.0])
     metrics = NFTLearner(policy, micro_batch_size=4).train_step(groups, version=0)
     assert math.isfinite(metrics["train/grad_norm"]) and metrics["train/grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", ["diffusion_nft", "awm", "dgpo"])
+def test_likelihood_free_losses_leave_the_held_first_frame_out(twins, name):
+    """TI2V-5B with a first frame: DiffusionNFT, AWM and DGPO noise the final latents afresh, and the
+    model's velocity on the held frame is unused (the sampler never moves it), so making it larger
+    changes neither the loss nor the update; the update is finite and moves the LoRA."""
+    import math
+
+    from async_flowgrpo.builders import build_learner
+    from async_flowgrpo.config import CONFIG_DIR
+
+    def update(bump_held_frame: bool) -> dict:
+        torch.manual_seed(0)
+        cfg = load_config("sync", [f"model.path={twins['wan22_ti2v_5b']}", "model.family=wan",
+                                   "reward.weights={temporal_consistency: 1.0}", "rollout.prompt_mix=null",
+                                   os.path.join(CONFIG_DIR, f"{name}.yaml"), "model.lora_rank=4", "model.lora_alpha=8",
+                                   f"rollout.num_steps={STEPS}", "trainer.micro_batch_size=8",
+                                   *(["algorithm.dgpo.timesteps=3"] if name == "dgpo" else [])])
+        learner = build_learner(cfg)
+        groups = rollout(learner.policy, window=0)
+        for g in groups:
+            g.rewards, g.advantages = torch.tensor([1.0, 0.0]), torch.tensor([1.0, -1.0])
+        if bump_held_frame:
+            velocity = learner.policy.velocity
+
+            def bumped(*args, **kwargs):
+                v = velocity(*args, **kwargs)
+                return torch.cat([11 * v[:, :, :1], v[:, :, 1:]], 2)
+
+            learner.policy.velocity = bumped
+        torch.manual_seed(1)
+        return learner.train_step(groups, version=0)
+
+    plain, bumped = update(False), update(True)
+    assert math.isfinite(plain["train/grad_norm"]) and plain["train/grad_norm"] > 0
+    for key in ("loss/policy", "train/grad_norm"):
+        assert bumped[key] == pytest.approx(plain[key], rel=1e-6, abs=1e-12), key

@@ -188,26 +188,21 @@ class AWMLearner(SoftCopyLearner):
             self.policy, groups, lambda steps: stratified_levels(steps, self.timesteps, self.timestep_fraction),
             lambda g: g.advantages.float().clamp(-self.adv_clip, self.adv_clip) / self.adv_clip * self.advantage_max)
         s = points.sigma.reshape(-1, *[1] * (points.x0.ndim - 1))
-        return points, (points.x_t - (1 - s) * points.x0) / s
-
-    def _velocity(self, points: _Points, sel, guidance: float, reference: bool = False) -> Tensor:
-        group = points.group[sel]
-        return self.policy.velocity(points.x_t[sel], points.sigma[sel], points.embeds[group], points.pooled[group],
-                                    guidance_scale=guidance, reference=reference)
+        return points, points.frames((points.x_t - (1 - s) * points.x0) / s)
 
     def _log_lik(self, v: Tensor, points: _Points, eps: Tensor, sel) -> Tensor:
         dev = v.device
-        return awm_log_likelihood(v, points.x0[sel].to(dev), eps[sel].to(dev), points.sigma[sel].to(dev),
+        return awm_log_likelihood(v, points.frames(points.x0[sel]).to(dev), eps[sel].to(dev), points.sigma[sel].to(dev),
                                   weighting=self.weighting, power=self.ghuber_power)
 
     @torch.no_grad()
     def _velocities_under(self, weights: dict[str, Tensor], points: _Points, guidance: float) -> Tensor:
         theta = {n: p.clone() for n, p in self.policy.trainable_state().items()}
-        out = torch.empty(points.x_t.shape, device=self.policy.device)
+        out = torch.empty(points.frames(points.x_t).shape, device=self.policy.device)
         try:
             self.policy.load_trainable_state(weights)
             for sel in self._calls(0, len(points)):
-                out[sel] = self._velocity(points, sel, guidance)
+                out[sel] = points.velocity(self.policy, sel, guidance)
         finally:
             self.policy.load_trainable_state(theta)
         return out
@@ -234,7 +229,7 @@ class AWMLearner(SoftCopyLearner):
             def compute(index: Tensor) -> None:
                 for call in self._calls(0, len(index)):
                     sel = index[call]
-                    old_lp[sel.to(dev)] = self._log_lik(self._velocity(points, sel, guidance), points, eps, sel)
+                    old_lp[sel.to(dev)] = self._log_lik(points.velocity(self.policy, sel, guidance), points, eps, sel)
 
             start = {n_: p.clone() for n_, p in self.policy.trainable_state().items()}
             missing = self.copies_by_version.under_each(self.policy, points.version[index_all], start,
@@ -248,14 +243,14 @@ class AWMLearner(SoftCopyLearner):
             mb_loss = mb_kl = torch.zeros((), device=dev)
             mb_ratios = []
             for sel in self._calls(lo, hi):
-                v = self._velocity(points, sel, guidance)
+                v = points.velocity(self.policy, sel, guidance)
                 lp = self._log_lik(v, points, eps, sel)
                 old = torch.where(torch.isnan(old_lp[sel]), lp.detach(), old_lp[sel])
                 terms, ratio = awm_loss(lp, old, points.r[sel].to(dev), clip_range=self.clip_range)
                 total = terms.sum().float()
                 kl = torch.zeros((), device=dev)
                 if self.beta > 0:
-                    v_ref = self._velocity(points, sel, guidance, reference=True)
+                    v_ref = points.velocity(self.policy, sel, guidance, reference=True)
                     kl = kl + self.beta * ((v - v_ref) ** 2).flatten(1).mean(1).sum()
                 if v_old is not None:
                     kl = kl + self.old_kl * ((v - v_old[sel]) ** 2).flatten(1).mean(1).sum()

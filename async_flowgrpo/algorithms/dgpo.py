@@ -235,18 +235,13 @@ class DGPOLearner(SoftCopyLearner):
                                lambda g: g.advantages.float().clamp(-self.adv_clip, self.adv_clip),
                                per_group=True, shared_noise=self.shared_noise)
         s = points.sigma.reshape(-1, *[1] * (points.x0.ndim - 1))
-        target = (points.x_t - points.x0) / s  # = eps - x0 (s > 0: the schedule's last level 0 is never drawn)
+        target = points.frames((points.x_t - points.x0) / s)  # = eps - x0 (s > 0: the schedule's last level 0 is never drawn)
         starts = torch.tensor(points.starts)
         level = torch.arange(len(points)) - starts[:-1].repeat_interleave(starts.diff())  # position in its sample
         group = points.group.cpu()
         comparison = group * self.timesteps + level
         sizes = torch.tensor([float(g.size) for g in groups])[group]
         return points, target, comparison, sizes
-
-    def _velocity(self, points: _Points, sel, guidance: float, reference: bool = False) -> Tensor:
-        group = points.group[sel]
-        return self.policy.velocity(points.x_t[sel], points.sigma[sel], points.embeds[group], points.pooled[group],
-                                    guidance_scale=guidance, reference=reference)
 
     @torch.no_grad()
     def _errors(self, points: _Points, target: Tensor, guidance: float, index: Tensor | None = None,
@@ -258,7 +253,7 @@ class DGPOLearner(SoftCopyLearner):
         out = torch.empty(len(points), device=dev) if out is None else out
         for call in self._calls(0, len(index)):
             sel = index[call]
-            v = self._velocity(points, sel, guidance, reference=reference)
+            v = points.velocity(self.policy, sel, guidance, reference=reference)
             out[sel.to(dev)] = flow_matching_error(v, target[sel].to(dev))
             if v_out is not None:
                 v_out[sel.to(dev)] = v
@@ -283,7 +278,7 @@ class DGPOLearner(SoftCopyLearner):
 
         # no grad, before any step: e now (the group sums need whole groups), e_ref, e_old
         err_now = self._errors(points, target, guidance)
-        v_ref = torch.empty(points.x_t.shape, device=dev) if self.beta > 0 else None
+        v_ref = torch.empty(points.frames(points.x_t).shape, device=dev) if self.beta > 0 else None
         err_ref = (self._errors(points, target, guidance, reference=True, v_out=v_ref)
                    if self.beta > 0 or self.reference == "frozen" else None)
         err_old, missing = (self._old_errors(points, target, guidance)
@@ -299,7 +294,7 @@ class DGPOLearner(SoftCopyLearner):
             mb_loss = mb_kl = torch.zeros((), device=dev)
             mb_clipped = []
             for sel in self._calls(lo, hi):
-                v = self._velocity(points, sel, guidance)
+                v = points.velocity(self.policy, sel, guidance)
                 err = flow_matching_error(v, target[sel].to(dev))
                 terms, clipped = dgpo_loss(err, weight[sel], adv[sel], None if err_old is None else err_old[sel],
                                            self.clip_range)

@@ -144,9 +144,22 @@ class _Points:
     embeds: Tensor  # [G, ...]
     pooled: Tensor  # [G, ...]
     starts: list[int]  # point offset of each sample, then P
+    held: int = 0  # leading latent frames the conditioning holds (Wan2.2 TI2V-5B's first frame)
 
     def __len__(self) -> int:
         return self.starts[-1]
+
+    def velocity(self, policy: Any, sel: slice | Tensor, guidance: float, reference: bool = False) -> Tensor:
+        """The velocity at points `sel` (a range, or indices), one transformer call for all of them,
+        on the sampled frames (`frames`)."""
+        group = self.group[sel]
+        return self.frames(policy.velocity(self.x_t[sel], self.sigma[sel], self.embeds[group], self.pooled[group],
+                                           guidance_scale=guidance, reference=reference))
+
+    def frames(self, t: Tensor) -> Tensor:
+        """`t` [B, C, F, ...] (a velocity, x0, x_t, a target) without the held frames, which are not
+        sampled: their velocity is unused, so no loss or KL term may count them (dim 2)."""
+        return t[:, :, self.held:] if self.held else t
 
 
 def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any, *, per_group: bool = False,
@@ -156,11 +169,17 @@ def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any, *, per_
     its samples then in the same level order), fresh noise each (one draw per group and level,
     shared by its samples, with `shared_noise`); `r(group)` is the per-sample weight a point carries
     (NFT's optimality, AWM's and DGPO's advantage). Shared by the likelihood-free algorithms
-    (DiffusionNFT, AWM, DGPO: a group's samples compared at the same points)."""
+    (DiffusionNFT, AWM, DGPO: a group's samples compared at the same points). Frames the
+    conditioning holds (an image-to-video first frame) are noised here too, but the transformer
+    sees them held at timestep 0 (the adapter's forward) and `_Points.frames` leaves them out of
+    every loss, as the log-prob leaves them out for Flow-GRPO."""
     if shared_noise and not per_group:
         raise ValueError("shared_noise needs per_group: a shared noise draw is per level")
     parts: dict[str, list[Tensor]] = {k: [] for k in ("x0", "x_t", "sigma", "r", "version", "group")}
     starts = [0]
+    held = {policy.adapter.held_frames(g.pooled_prompt_embeds) for g in groups}
+    if len(held) != 1:
+        raise ValueError("groups in one train_step must all carry a first frame or none")
     for gi, g in enumerate(groups):
         if g.advantages is None:
             raise ValueError(f"group of prompt {g.prompt_index} has no advantages: set them on arrival")
@@ -189,7 +208,7 @@ def noised_points(policy: Any, groups: list[Group], levels: Any, r: Any, *, per_
     dev = policy.device
     return _Points(cat["x0"], cat["x_t"], cat["sigma"], cat["r"], cat["version"], cat["group"].to(dev),
                    torch.stack([g.prompt_embeds for g in groups]).to(dev),
-                   torch.stack([g.pooled_prompt_embeds for g in groups]).to(dev), starts)
+                   torch.stack([g.pooled_prompt_embeds for g in groups]).to(dev), starts, held.pop())
 
 
 def batch_guidance(groups: list[Group]) -> float:
@@ -247,20 +266,14 @@ class NFTLearner(SoftCopyLearner):
         return noised_points(self.policy, groups, lambda steps: torch.randperm(steps)[:max(1, int(steps * self.timestep_fraction))],
                              lambda g: nft_optimality(g.advantages.float(), self.adv_clip))
 
-    def _velocity(self, points: _Points, sel: slice | Tensor, guidance: float, reference: bool = False) -> Tensor:
-        """The velocity at points `sel` (a range, or indices): one transformer call for all of them."""
-        group = points.group[sel]
-        return self.policy.velocity(points.x_t[sel], points.sigma[sel], points.embeds[group], points.pooled[group],
-                                    guidance_scale=guidance, reference=reference)
-
     def _old_velocities(self, points: _Points, guidance: float) -> tuple[Tensor, int]:
         """v_old of every point under the old weights of its sample's version; (velocities [P, ...], missing)."""
-        v_old = torch.empty(points.x_t.shape, device=self.policy.device)
+        v_old = torch.empty(points.frames(points.x_t).shape, device=self.policy.device)
 
         def compute(index: Tensor) -> None:
             for call in self._calls(0, len(index)):
                 sel = index[call]
-                v_old[sel.to(v_old.device)] = self._velocity(points, sel, guidance)
+                v_old[sel.to(v_old.device)] = points.velocity(self.policy, sel, guidance)
 
         missing = self.copies_by_version.under_each(self.policy, points.version, self.old, compute)
         return v_old, missing
@@ -283,13 +296,13 @@ class NFTLearner(SoftCopyLearner):
             lo, hi = points.starts[s0], points.starts[s1]
             mb_loss = mb_kl = mb_dev = torch.zeros((), device=dev)
             for sel in self._calls(lo, hi):
-                v = self._velocity(points, sel, guidance)
+                v = points.velocity(self.policy, sel, guidance)
                 old = v_old[sel]
-                loss = nft_loss(v, old, points.x_t[sel].to(dev), points.x0[sel].to(dev), points.sigma[sel].to(dev),
-                                points.r[sel].to(dev), beta=self.nft_beta)
+                x_t, x0 = points.frames(points.x_t[sel]).to(dev), points.frames(points.x0[sel]).to(dev)
+                loss = nft_loss(v, old, x_t, x0, points.sigma[sel].to(dev), points.r[sel].to(dev), beta=self.nft_beta)
                 total = loss.sum()
                 if self.beta > 0:
-                    v_ref = self._velocity(points, sel, guidance, reference=True)
+                    v_ref = points.velocity(self.policy, sel, guidance, reference=True)
                     kl = self.beta * ((v - v_ref) ** 2).flatten(1).mean(1).sum()
                     total = total + kl
                     mb_kl = mb_kl + kl.detach()
