@@ -3,7 +3,7 @@
 of the README's image-to-video command, Wan2.2 I2V-A14B's two experts and image to video from a
 prompt file of first frames) with a video reward, every weight publication
 digest-verified, and sync and fully_async runs resumed from their checkpoints with exact step and
-sample counts. The A14B twin samples 4 steps, so that the trained window spans both experts; its
+sample counts; DiffusionNFT (a loss on noised final latents) on TI2V-5B's first frames too. The A14B twin samples 4 steps, so that the trained window spans both experts; its
 checkpoints and saved LoRAs hold both.
 
 The runs go one after another in one test: starting the actors (imports, model load) is most of
@@ -72,6 +72,18 @@ def test_wan_syncs_weights_and_resumes_exactly(ray_cluster, wan_setup, tmp_path)
     if wan_setup[2] == "wan21":
         check_sync_and_one_step_off(wan_setup, tmp_path)
     check_fully_async_and_its_resume(wan_setup, tmp_path)
+    if wan_setup[2] == "wan22_ti2v_5b":
+        check_a_likelihood_free_algorithm_with_first_frames(wan_setup, tmp_path)
+
+
+def check_a_likelihood_free_algorithm_with_first_frames(wan_setup, tmp_path):
+    """DiffusionNFT on ODE groups whose first frame is held (its loss leaves that frame out:
+    tests/test_wan_i2v.py), through Ray in fully_async."""
+    out = str(tmp_path / "nft")
+    run(wan_config("fully_async", wan_setup, out, "algorithm.name=diffusion_nft", "trainer.total_steps=2"))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["sync/bytes"] > 0 for r in rows)
+    assert all(0 < r["train/grad_norm"] < float("inf") and r["nft/old_missing_frac"] == 0 for r in rows)
 
 
 def check_sync_and_one_step_off(wan_setup, tmp_path):
