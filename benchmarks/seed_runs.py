@@ -15,6 +15,7 @@ and two invocations with different --seeds can run side by side into the same <n
     python benchmarks/seed_runs.py report recipe nft                            # tables + summary.json
     python benchmarks/seed_runs.py report recipe nft --plot benchmarks/results/seed_runs/curves.png
     python benchmarks/seed_runs.py compare recipe recipe_sync dgpo_fully_async --target 0.087  # one row a name
+    python benchmarks/seed_runs.py paired dgpo_sync dgpo_fully_async               # the difference, seed by seed
 
 The report gives per seed the held-out accuracy at every evaluation, the rise of the **last**
 evaluation over step 0, the training reward's first and last quarter and the wall time; then the
@@ -262,6 +263,19 @@ def compare_row(summary: dict, target: float) -> dict:
             "train_step_s_median": _median(times)}
 
 
+def paired(base: dict, other: dict) -> dict:
+    """`other`'s last evaluation less `base`'s, seed by seed on the seeds both ran: runs of one
+    commit and evaluation schedule that differ in one setting share their sync-mode randomness, so
+    the difference has a smaller SE than the two rises' (fully_async runs pair less well)."""
+    last = {name: {r["seed"]: list(r["eval_accuracy"].values())[-1] for r in s["runs"]} for name, s in (("a", base), ("b", other))}
+    seeds = sorted(last["a"].keys() & last["b"].keys())
+    if not seeds:
+        raise SystemExit(f"{base['name']} and {other['name']}: no seed in common")
+    diffs = [round(last["b"][k] - last["a"][k], 4) for k in seeds]
+    return {"base": base["name"], "other": other["name"], "seeds": seeds, "per_seed": diffs,
+            "mean": round(sum(diffs) / len(diffs), 4), "se": round(_se(diffs), 4), "worst": min(diffs)}
+
+
 def compare_table(rows: list[dict]) -> str:
     target = rows[0]["target"]
     lines = ["| name | mode | seeds | CFG | step 0 | last: mean (worst) | rise: mean (SE), worst | last at the other CFG: mean (worst) "
@@ -356,6 +370,8 @@ def main(argv=None) -> None:
     c.add_argument("names", nargs="+")
     c.add_argument("--target", type=float, default=0.087, help="the rise whose first evaluation is counted (Flow-GRPO's mean)")
     c.add_argument("--json", help="also write the rows here")
+    d = sub.add_parser("paired", help="the second name's last evaluation less the first's, seed by seed")
+    d.add_argument("names", nargs=2, metavar="NAME")
     a = parse_run_overrides(ap, argv)
     if a.cmd == "run":
         try:
@@ -371,6 +387,11 @@ def main(argv=None) -> None:
     if missing:
         ap.error(f"no runs named {', '.join(missing)} under {ROOT}")
     summaries = [summarize(n) for n in a.names]
+    if a.cmd == "paired":
+        x = paired(*summaries)
+        print(f"{x['other']} - {x['base']}, last evaluation, seeds {','.join(map(str, x['seeds']))}: "
+              f"{x['mean']:+.3f} (SE {x['se']:.3f}, worst {x['worst']:+.3f}; per seed {', '.join(f'{v:+.3f}' for v in x['per_seed'])})")
+        return
     if a.cmd == "compare":
         rows = [compare_row(s, a.target) for s in summaries]
         print(compare_table(rows))

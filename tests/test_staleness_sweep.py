@@ -138,3 +138,15 @@ def test_seed_runs_compare_puts_each_name_in_one_row(sweep):
     assert row["seconds_to_target"] == [10.0, 20.0] and row["seconds_to_target_median"] == 15  # evaluations left out
     assert "| 15 (2/3) | 15 |" in seed_runs.compare_table([row])
     assert seed_runs.first_step_at({"eval_accuracy": {"0": 0.6, "10": 0.59}}, 0.0) is None  # step 0 itself never counts
+
+
+def test_seed_runs_paired_differences_the_last_evaluations_on_common_seeds(sweep):
+    seed_runs = sweep.seed_runs
+    for seed, last in ((0, 0.70), (1, 0.66), (2, 0.65)):
+        fake_cell(sweep, "flow_grpo", 1, "none", seed, [0.6, last], staleness=1.0)
+    for seed, last in ((1, 0.70), (2, 0.66), (3, 0.9)):  # seed 0 missing, seed 3 without a partner
+        fake_cell(sweep, "flow_grpo", 2, "none", seed, [0.6, last], staleness=1.0)
+    a, b = (seed_runs.summarize(sweep.cell_name("s", "flow_grpo", eta, "none")) for eta in (1, 2))
+    x = seed_runs.paired(a, b)
+    assert x["seeds"] == [1, 2] and x["per_seed"] == [0.04, 0.01] and x["worst"] == 0.01
+    assert x["mean"] == pytest.approx(0.025) and x["se"] == pytest.approx(0.015)
