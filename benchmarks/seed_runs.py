@@ -267,11 +267,11 @@ def paired(base: dict, other: dict) -> dict:
     """`other`'s last evaluation less `base`'s, seed by seed on the seeds both ran: runs of one
     commit and evaluation schedule that differ in one setting share their sync-mode randomness, so
     the difference has a smaller SE than the two rises' (fully_async runs pair less well)."""
-    last = {name: {r["seed"]: list(r["eval_accuracy"].values())[-1] for r in s["runs"]} for name, s in (("a", base), ("b", other))}
-    seeds = sorted(last["a"].keys() & last["b"].keys())
+    a, b = ({r["seed"]: list(r["eval_accuracy"].values())[-1] for r in s["runs"]} for s in (base, other))
+    seeds = sorted(a.keys() & b.keys())
     if not seeds:
         raise SystemExit(f"{base['name']} and {other['name']}: no seed in common")
-    diffs = [round(last["b"][k] - last["a"][k], 4) for k in seeds]
+    diffs = [round(b[k] - a[k], 4) for k in seeds]
     return {"base": base["name"], "other": other["name"], "seeds": seeds, "per_seed": diffs,
             "mean": round(sum(diffs) / len(diffs), 4), "se": round(_se(diffs), 4), "worst": min(diffs)}
 
