@@ -260,7 +260,8 @@ class RayConfig:
     num_gpus: Optional[int] = None
     # Every wait on the cluster is bounded by one of these (a dead or hung actor is an error, not a hang):
     connect_timeout_s: float = 30.0  # reach an existing cluster; place the actors
-    start_timeout_s: float = 600.0  # actors load their models; a restarted actor answers again
+    start_timeout_s: float = 600.0  # the actors load their models at start-up
+    restart_timeout_s: float = 600.0  # a lost rollout actor answers again (Ray restarts it where its resources are)
     call_timeout_s: float = 60.0  # small calls: counters, queue bookkeeping, a trainer fetching its shard
     work_timeout_s: float = 3600.0  # one generation batch, one training step, one evaluation, a checkpoint
     poll_s: float = 1.0  # rollout actors re-check their stop flag at least this often while blocked on the queue
@@ -584,7 +585,7 @@ def validate(c: Config) -> None:
     _require(e.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
     _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
     _choice(c.logging.actor_output, "logging.actor_output", ("file", "console"))
-    for key in ("connect_timeout_s", "start_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
+    for key in ("connect_timeout_s", "start_timeout_s", "restart_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
         _require(getattr(c.ray, key) > 0, f"ray.{key}", "must be > 0")
     loaded = {}
     from async_flowgrpo.models import adapter_class  # (the adapter modules import no model library)

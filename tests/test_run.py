@@ -291,6 +291,12 @@ def test_impossible_resource_request_fails_fast(ray_cluster, tiny_model_dir, pro
         Run(cfg)
 
 
+def test_actors_that_do_not_load_in_time_stop_the_run_with_one_line_naming_the_key(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.start_timeout_s=0.001")
+    with pytest.raises(RunError, match=r"did not load .* within ray.start_timeout_s=0.001 s"):
+        Run(cfg)
+
+
 def copy_of(runs, mode: str, to: str) -> str:
     """A copy of the `runs` fixture's 3-step run of `mode` (its output_dir becomes `to`), to resume."""
     shutil.copytree(runs[mode][0], to)

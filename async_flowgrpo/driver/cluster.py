@@ -295,7 +295,11 @@ class Cluster:
             )
             for i in range(r.num_workers)
         ]
-        ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
+        try:
+            ray.get([a.ready.remote() for a in self.trainers + self.rollouts], timeout=cfg.ray.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RunError(f"the actors did not load their models within ray.start_timeout_s={cfg.ray.start_timeout_s:g} s "
+                           "(raise it for a large model, a slow disk or a busy machine)") from None
         self.rollout_pids = ray.get([a.pid.remote() for a in self.rollouts], timeout=cfg.ray.call_timeout_s)
         self.trainer_pids = ray.get([a.pid.remote() for a in self.trainers], timeout=cfg.ray.call_timeout_s)
         self._count_nodes()
@@ -335,7 +339,7 @@ class Cluster:
         """Calls fail with ActorUnavailableError while Ray restarts an actor; wait until it answers
         and return its pid. (pid runs on the control thread, so a busy generation loop does not
         delay the answer.)"""
-        timeout_s = self.cfg.ray.start_timeout_s
+        timeout_s = self.cfg.ray.restart_timeout_s
         deadline = time.monotonic() + timeout_s
         while True:
             try:
