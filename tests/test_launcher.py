@@ -35,7 +35,7 @@ def small_args(model_dir, prompts, output_dir, *extra):
     ]
 
 
-def launch(args, timeout=120, **kw):
+def launch(args, timeout=300, **kw):  # a 3-step run takes 50-70 s on a loaded 2-core machine
     return subprocess.run([sys.executable, LAUNCHER, *args], capture_output=True, text=True, timeout=timeout, env=ENV, cwd=REPO, **kw)
 
 
