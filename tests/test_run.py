@@ -197,6 +197,17 @@ def test_a_diverging_run_stops_loudly(ray_cluster, tiny_model_dir, prompt_file, 
     assert rows[-1]["train/nonfinite_steps"] >= 1 and len(rows) < 8
 
 
+def test_an_update_that_outlasts_its_timeout_stops_the_run_with_one_line(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """A hung trainer (here: an update held to 8 s against ray.work_timeout_s=3) is an error with one
+    line naming the timeouts and the last checkpoint, not a GetTimeoutError traceback."""
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.work_timeout_s=3",
+                       "trainer.min_step_time_s=8", "trainer.total_steps=3")
+    with pytest.raises(RunError, match=r"at step 0 .*ray\.work_timeout_s=3 .*last checkpoint: none") as error:
+        run(cfg)
+    assert len(str(error.value).splitlines()) == 1
+    assert alive_actors() == []
+
+
 def test_data_parallel_trainers_match_a_single_trainer(ray_cluster, tiny_model_dir, prompt_file, tmp_path):
     """M = 2 trainers on a split batch give the same update as M = 1 on the whole batch. Without the
     KL term: at the first update its gradient is float noise (the reference forward batches the CFG
@@ -295,6 +306,19 @@ def test_actors_that_do_not_load_in_time_stop_the_run_with_one_line_naming_the_k
     cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.start_timeout_s=0.001")
     with pytest.raises(RunError, match=r"did not load .* within ray.start_timeout_s=0.001 s"):
         Run(cfg)
+
+
+def test_a_call_that_times_out_during_start_up_stops_the_run_with_one_line(ray_cluster, tiny_model_dir, prompt_file,
+                                                                            tmp_path, monkeypatch):
+    """After the actors loaded: the first weight push (or loading a checkpoint) times out."""
+    def push_times_out(self):
+        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(Run, "publish_weights", push_times_out)
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "ray.work_timeout_s=7")
+    with pytest.raises(RunError, match=r"did not answer in time during start-up \(ray.work_timeout_s=7 s.*nothing was trained"):
+        Run(cfg)
+    assert alive_actors() == []
 
 
 def copy_of(runs, mode: str, to: str) -> str:

@@ -239,8 +239,12 @@ class Run:
             self.started_early = start_early() if start_early else None
             with self.stop.abandonable():  # a signal during start-up: nothing to save yet
                 self._start()
-        except BaseException:
+        except BaseException as e:
             self.shutdown()  # no half-started actors left behind
+            if isinstance(e, ray.exceptions.GetTimeoutError):  # loading a checkpoint, the first weight push
+                raise RunError(f"the actors did not answer in time during start-up (ray.work_timeout_s="
+                               f"{cfg.ray.work_timeout_s:g} s, ray.call_timeout_s={cfg.ray.call_timeout_s:g} s, "
+                               f"sync.timeout_s={cfg.sync.timeout_s:g} s); nothing was trained by this run") from None
             raise
 
     def _start(self) -> None:
@@ -595,6 +599,15 @@ class Run:
                 last = self.checkpointer.latest_name()
                 raise RunError(
                     f"an actor died at step {self.step} ({str(exc).splitlines()[0][:200]}); "
+                    f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
+                ) from None
+            elif exc_type is not None and issubclass(exc_type, ray.exceptions.GetTimeoutError):
+                # A hung actor (a deadlocked collective, a reward that never returns) or work longer
+                # than its bound: whatever it holds is not saved, the last checkpoint resumes.
+                r, last = self.cfg.ray, self.checkpointer.latest_name()
+                raise RunError(
+                    f"the actors did not answer in time at step {self.step} (a hung actor, or work longer than "
+                    f"ray.work_timeout_s={r.work_timeout_s:g} s or a call longer than ray.call_timeout_s={r.call_timeout_s:g} s); "
                     f"last checkpoint: {last or 'none'}; resume with trainer.resume=latest"
                 ) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayTaskError):
