@@ -49,6 +49,7 @@ Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import gc
@@ -200,7 +201,12 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per measurement (after one warm-up)")
     ap.add_argument("--frames", type=int, default=None, help="video shapes: frames per clip (default the shape's)")
     ap.add_argument("--train-rows", default="4c,4,16",
-                    help="LoRA trainer rows, comma-separated micro-batch sizes, 'c' = gradient checkpointing on")
+                    help="LoRA trainer rows, comma-separated micro-batch sizes, 'c' = gradient checkpointing on, "
+                         "'b' = computed in bf16 without autocast, the adapters in bf16 too (a speed bound: "
+                         "Adam's updates of bf16 adapters round away)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every section, repeatable (--set algorithm.name=awm: AWM's "
+                         "config file and its rollout, ODE samples, with it)")
     ap.add_argument("--skip-fused", action="store_true", help="no folded-LoRA rollout measurement")
     ap.add_argument("--train-only", action="store_true", help="only the LoRA trainer rows, on one generated batch")
     ap.add_argument("--profile", action="store_true",
@@ -340,7 +346,7 @@ def bench_config(args, shape: dict, validation_dir: str, *overrides: str):
     return load_config("sync", [
         f"config/model/{shape['config']}.yaml", f"model.path={validation_dir}",
         f"rollout.groups_per_step={args.prompts}", f"rollout.group_size={args.group_size}",
-        f"rollout.resolution={shape['resolution']}", *frames, *sources, *overrides,
+        f"rollout.resolution={shape['resolution']}", *frames, *sources, *args.overrides, *overrides,
     ])
 
 
@@ -610,37 +616,44 @@ def measure_train_rows(args, learner, groups, device, peaks, result, save) -> No
     strides): under CUDA_LAUNCH_BLOCKING=1 that names the layer a failing kernel belongs to."""
     transformer = learner.policy.adapter.transformer
     model_flops = None
-    for checkpointing, micro in train_rows(args.train_rows):
-        key = f"train_lora_micro{micro}" + ("_checkpointing" if checkpointing else "")
+    for checkpointing, micro, bf16 in train_rows(args.train_rows):
+        key = f"train_lora_micro{micro}" + ("_checkpointing" if checkpointing else "") + ("_bf16" if bf16 else "")
         try:
             if checkpointing:
                 transformer.enable_gradient_checkpointing()
             else:
                 transformer.disable_gradient_checkpointing()
             learner.micro_batch_size = micro
-            tracing = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # (the hooks cost host time: off when timing)
-            with linear_trace(transformer) if tracing else contextlib.nullcontext({}) as last:
-                try:
-                    result[key] = measure_train(args, learner, groups, device, peaks, model_flops)
-                except torch.OutOfMemoryError:
-                    raise
-                except Exception:
-                    result[key] = {"error": traceback.format_exc(limit=4), "last_linear": dict(last)}
-                    save()
-                    raise
+            # the profile too runs in the row's setting (run 10 profiled its bf16 row under autocast)
+            with pure_bf16(learner) if bf16 else contextlib.nullcontext():
+                measure_train_row(args, learner, groups, device, peaks, result, save, key, model_flops)
             model_flops = result[key]["model_flops_per_step"]
-            log(f"{key}: {result[key]['images_per_s']} trained images/s, {result[key].get('tflops')} TFLOP/s, "
-                f"peak {result[key]['peak_memory_gb']} GB")
-            save()  # before the profile, which can outlast a caller's time limit
-            if args.profile:
-                try:
-                    result[key]["profile"] = profile_step(lambda: learner.train_step(groups, version=0), device)
-                    log(f"{key} profile: {result[key]['profile']['summary']}")
-                except Exception as e:  # noqa: BLE001  (a profiler failure must not cost the rows after it)
-                    result[key]["profile"] = {"error": f"{type(e).__name__}: {e}"}
         except torch.OutOfMemoryError as e:
             result[key] = {"error": f"out of memory: {str(e).splitlines()[0]}"}
         save()
+
+
+def measure_train_row(args, learner, groups, device, peaks, result, save, key, model_flops) -> None:
+    """One trainer row into result[key], saved, then (--profile) one profiled step."""
+    tracing = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"  # (the hooks cost host time: off when timing)
+    with linear_trace(learner.policy.adapter.transformer) if tracing else contextlib.nullcontext({}) as last:
+        try:
+            result[key] = measure_train(args, learner, groups, device, peaks, model_flops)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception:
+            result[key] = {"error": traceback.format_exc(limit=4), "last_linear": dict(last)}
+            save()
+            raise
+    log(f"{key}: {result[key]['images_per_s']} trained images/s, {result[key].get('tflops')} TFLOP/s, "
+        f"peak {result[key]['peak_memory_gb']} GB")
+    save()  # before the profile, which can outlast a caller's time limit
+    if args.profile:
+        try:
+            result[key]["profile"] = profile_step(lambda: learner.train_step(groups, version=0), device)
+            log(f"{key} profile: {result[key]['profile']['summary']}")
+        except Exception as e:  # noqa: BLE001  (a profiler failure must not cost the rows after it)
+            result[key]["profile"] = {"error": f"{type(e).__name__}: {e}"}
 
 
 # Kernel classes for the profile, matched on lower-cased kernel names (first match wins).
@@ -716,9 +729,32 @@ def section_train_only(args, shape, device, peaks, result, save):
     del learner, groups
 
 
-def train_rows(spec: str) -> list[tuple[bool, int]]:
-    """'4c,4,16' -> [(True, 4), (False, 4), (False, 16)]: (gradient checkpointing, micro-batch size)."""
-    return [(row.endswith("c"), int(row.rstrip("c"))) for row in spec.split(",") if row]
+def train_rows(spec: str) -> list[tuple[bool, int, bool]]:
+    """'4c,4,16b' -> [(True, 4, False), (False, 4, False), (False, 16, True)]: (gradient
+    checkpointing, micro-batch size, bf16 without autocast)."""
+    return [("c" in row, int(row.rstrip("cb")), "b" in row) for row in spec.split(",") if row]
+
+
+@contextlib.contextmanager
+def pure_bf16(learner):
+    """The learner computing as the plain pipeline does, everything in bf16 and no autocast: the
+    adapters cast to bf16 and the optimizer's state set aside (restored after). What a trainer with
+    bf16 adapters and fp32 master copies in the optimizer would run its forward and backward at;
+    run 9's profile put 59 % of SD3.5-M's kernel time in elementwise kernels, autocast's fp32 islands
+    and casts among them."""
+    policy = learner.policy
+    params = policy.trainable_parameters()
+    autocast, state = policy.autocast_dtype, learner.optimizer.state
+    learner.optimizer.state = collections.defaultdict(dict)
+    policy.autocast_dtype = None
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.data, p.grad = p.data.float(), None
+        policy.autocast_dtype, learner.optimizer.state = autocast, state
 
 
 def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
@@ -925,7 +961,7 @@ def main(argv=None) -> dict:
     name = info.get("name", device.type).replace(" ", "_")
     path = args.out or os.path.join(RESULTS, "gpu", f"{args.shape}_{name}.json")
     result = {"shape": args.shape, "machine": info, "batch": {"prompts": args.prompts, "group_size": args.group_size},
-              "repeats": args.repeats, "errors": {}}
+              "repeats": args.repeats, "overrides": args.overrides, "errors": {}}
 
     def save():
         write_json(path, result)

@@ -114,7 +114,7 @@ def test_image_conditioned_prompts_reach_the_rollout_as_a_runs_do(gpu, tmp_path)
     from types import SimpleNamespace
 
     shape = gpu.SHAPES["tiny_wan22_i2v_a14b"]
-    args = SimpleNamespace(prompts=2, group_size=2, prompt_file=gpu.source_prompts(shape, str(tmp_path), 2))
+    args = SimpleNamespace(prompts=2, group_size=2, prompt_file=gpu.source_prompts(shape, str(tmp_path), 2), overrides=[])
     cfg = gpu.bench_config(args, shape, gpu.validation_model(shape, str(tmp_path)))
     prompts, metadata = gpu.batch_prompts(args, cfg)
     assert prompts == gpu.PROMPTS[:2] and cfg.rollout.prompts == cfg.eval.prompts == args.prompt_file
@@ -182,7 +182,7 @@ def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, t
                        "--group-size", "4", "--train-rows", "2c,4", "--out", str(tmp_path / "a.json")])
     assert result["errors"] == {} and "pipeline" not in result and "train_full" not in result
     assert result["train_lora_micro2_checkpointing"]["images"] == 4 and result["train_lora_micro4"]["images_per_s"] > 0
-    assert gpu.train_rows("4c,16") == [(True, 4), (False, 16)]
+    assert gpu.train_rows("4c,16,8b") == [(True, 4, False), (False, 16, False), (False, 8, True)]
 
     def broken(args, learner, *rest):
         learner.train_step(rest[0], version=0)  # runs the transformer's layers, then fails as a kernel would
@@ -195,6 +195,42 @@ def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, t
     row = result["train_lora_micro2"]
     assert "CUBLAS_STATUS_EXECUTION_FAILED" in row["error"] and "train_only" in result["errors"]
     assert row["last_linear"]["name"] and len(row["last_linear"]["input"]) == 3
+
+
+def test_a_bf16_row_computes_without_autocast_and_restores_the_fp32_learner(gpu, tmp_path, monkeypatch):
+    """A 'b' trainer row times and profiles the step with bf16 adapters and no autocast; the rows
+    after it get the fp32 adapters and the optimizer state back as they were."""
+    timed, profiled, learners = [], [], []
+    measure = gpu.measure_train
+
+    def setting(learner):
+        return ({p.dtype for p in learner.policy.trainable_parameters()}, learner.policy.autocast_dtype,
+                len(learner.optimizer.state))
+
+    def spy(args, learner, *rest):
+        learners.append(learner)
+        timed.append(setting(learner))
+        return measure(args, learner, *rest)
+
+    monkeypatch.setattr(gpu, "measure_train", spy)
+    monkeypatch.setattr(gpu, "profile_step", lambda fn, device: profiled.append(setting(learners[-1])) or {"summary": ""})
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",
+                       "--group-size", "2", "--train-rows", "2,2b,2", "--profile", "--out", str(tmp_path / "b.json")])
+    assert result["errors"] == {} and result["train_lora_micro2_bf16"]["images_per_s"] > 0
+    assert [p[:2] for p in profiled] == [t[:2] for t in timed]  # each row profiled in its own setting
+    (first, _, before), (bf16, autocast, fresh), (after, autocast_after, restored) = timed
+    assert first == after == {torch.float32} and bf16 == {torch.bfloat16}
+    assert autocast is None and autocast_after == torch.bfloat16
+    assert before == 0 and fresh == 0 and restored > 0  # the first row's Adam state, back after the bf16 row
+
+
+def test_set_overrides_train_another_algorithm(gpu, tmp_path):
+    """--set reaches every section's config: AWM's rows train on ODE samples with its loss."""
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",
+                       "--group-size", "2", "--train-rows", "2", "--set", "algorithm.name=awm",
+                       "--out", str(tmp_path / "awm.json")])
+    assert result["errors"] == {} and result["overrides"] == ["algorithm.name=awm"]
+    assert result["train_lora_micro2"]["images_per_s"] > 0
 
 
 def test_profile_sorts_kernels_into_classes_and_reports_host_time(gpu):
