@@ -130,8 +130,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 # The fast tier (`python -m pytest -q -m "not slow"`, under 2 minutes) leaves out what starts Ray,
-# launches or spawns processes, injects faults into whole runs, or trains for tens of updates; the
-# full suite (CI) runs everything.
+# launches or spawns processes, injects faults into whole runs, trains for tens of updates or runs a
+# benchmark whole (those tests carry the mark themselves); the full suite (CI) runs everything.
 SLOW_MODULES = {"test_cluster_signals", "test_fault_injection", "test_launcher", "test_multinode", "test_wan_run"}
 
 

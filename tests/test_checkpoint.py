@@ -161,6 +161,7 @@ def test_run_dir_is_used_once_unless_resumed_or_overwritten(tmp_path):
     assert not os.path.exists(os.path.join(out, "metrics.jsonl")) and not os.path.exists(os.path.join(out, "checkpoints"))
 
 
+@pytest.mark.slow  # a second process holds the lock: about 4 s
 def test_a_second_run_into_a_locked_dir_is_refused(tmp_path):
     import subprocess
     import sys

@@ -108,6 +108,7 @@ def test_every_entry_point_answers_help(help_texts):
     assert not bad, bad
 
 
+@pytest.mark.slow  # a fresh interpreter: about 5 s
 def test_evaluation_cli_answers_help():
     """The end-to-end form of one of them (it once said: config error: --help: expected key=value)."""
     done = subprocess.run([sys.executable, "-m", "async_flowgrpo.evaluation", "--help"], cwd=ROOT, capture_output=True,

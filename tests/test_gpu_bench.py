@@ -158,6 +158,7 @@ def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_p
     assert all(torch.equal(from_master[k], v) for k, v in rollout.trainable_state().items())
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and diffusers: about 7 s
 def test_plain_classes_import_without_ray():
     code = ("import sys; sys.modules['ray'] = None; sys.modules['wandb'] = None\n"
             "import async_flowgrpo.sync, async_flowgrpo.builders, async_flowgrpo.algorithms, async_flowgrpo.policy\n"
@@ -175,6 +176,7 @@ def test_autocast_ab_interleaves_both_settings(gpu, tmp_path):
     assert "rollout" not in result and "train_full" not in result  # that section alone
 
 
+@pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s
 def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, tmp_path, monkeypatch):
     """--train-only measures just --train-rows; a row that fails (not out of memory) is recorded with
     the last nn.Linear entered when CUDA_LAUNCH_BLOCKING=1 (how a failing GEMM was traced on a GPU)."""
@@ -197,6 +199,7 @@ def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, t
     assert row["last_linear"]["name"] and len(row["last_linear"]["input"]) == 3
 
 
+@pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s
 def test_a_bf16_row_computes_without_autocast_and_restores_the_fp32_learner(gpu, tmp_path, monkeypatch):
     """A 'b' trainer row times and profiles the step with bf16 adapters and no autocast; the rows
     after it get the fp32 adapters and the optimizer state back as they were."""
@@ -224,6 +227,7 @@ def test_a_bf16_row_computes_without_autocast_and_restores_the_fp32_learner(gpu,
     assert before == 0 and fresh == 0 and restored > 0  # the first row's Adam state, back after the bf16 row
 
 
+@pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s
 def test_set_overrides_train_another_algorithm(gpu, tmp_path):
     """--set reaches every section's config: AWM's rows train on ODE samples with its loss."""
     result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",

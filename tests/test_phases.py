@@ -157,6 +157,7 @@ def phases():
     return load_benchmark("phases")
 
 
+@pytest.mark.slow  # the benchmark run whole: 3-5 s
 def test_phases_benchmark_runs_and_writes_json(phases, tiny_model_dir, tmp_path):
     out = tmp_path / "tiny.json"
     phases.main([
@@ -242,6 +243,7 @@ def test_the_flow_grpo_contenders_call_its_two_functions_per_sample_and_per_pass
         phases.main(["--model", tiny_model_dir, "--flow-grpo", str(tmp_path)])
 
 
+@pytest.mark.slow  # the benchmark run whole: 3-5 s
 def test_phases_benchmark_times_the_video_family_against_wan_pipeline(phases, tmp_path):
     """--tiny-wan: ours against WanPipeline.__call__ and a bare loop of Wan transformer passes."""
     out = tmp_path / "wan.json"
@@ -268,6 +270,7 @@ def test_phases_benchmark_times_the_diffusion_nft_step(phases, tiny_model_dir):
         phases.main(["--model", tiny_model_dir, "--algorithm", "diffusion_nft"])  # the rollout phase is Flow-GRPO's
 
 
+@pytest.mark.slow  # the benchmark run whole: 3-5 s
 def test_phases_benchmark_times_a_baseline_checkouts_learner(phases, tiny_model_dir, tmp_path):
     """--baseline DIR: the learner module of another checkout (here this one) as a third contender."""
     import os

@@ -31,6 +31,7 @@ def test_side_reward_wants_the_colour_mass_on_the_side_the_first_colour_asks_for
     assert control["correct"].tolist() == [1.0, 0.0, 1.0, 0.0]
 
 
+@pytest.mark.slow  # the probe run whole: about 6 s
 def test_probe_runs_a_step_and_evaluates_held_out_and_training_prompts(rl_probe, tiny_model_dir, tmp_path):
     result = rl_probe.main([
         "--model", tiny_model_dir, "--steps", "1", "--eval-every", "0", "--kinds", "count",
