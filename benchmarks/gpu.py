@@ -60,6 +60,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -203,7 +204,9 @@ def parse_args(argv):
     ap.add_argument("--train-rows", default="4c,4,16",
                     help="LoRA trainer rows, comma-separated micro-batch sizes, 'c' = gradient checkpointing on, "
                          "'b' = computed in bf16 without autocast, the adapters in bf16 too (a speed bound: "
-                         "Adam's updates of bf16 adapters round away)")
+                         "Adam's updates of bf16 adapters round away), 'k' = the transformer's blocks compiled")
+    ap.add_argument("--compile-backend", default="inductor",
+                    help="torch.compile backend of the 'k' trainer rows (the tests use aot_eager: no C++ build)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every section, repeatable (--set algorithm.name=awm: AWM's "
                          "config file and its rollout, ODE samples, with it)")
@@ -616,16 +619,18 @@ def measure_train_rows(args, learner, groups, device, peaks, result, save) -> No
     strides): under CUDA_LAUNCH_BLOCKING=1 that names the layer a failing kernel belongs to."""
     transformer = learner.policy.adapter.transformer
     model_flops = None
-    for checkpointing, micro, bf16 in train_rows(args.train_rows):
-        key = f"train_lora_micro{micro}" + ("_checkpointing" if checkpointing else "") + ("_bf16" if bf16 else "")
+    for row in train_rows(args.train_rows):
+        key = (f"train_lora_micro{row.micro}" + ("_checkpointing" if row.checkpointing else "")
+               + ("_bf16" if row.bf16 else "") + ("_compiled" if row.compiled else ""))
         try:
-            if checkpointing:
+            if row.checkpointing:
                 transformer.enable_gradient_checkpointing()
             else:
                 transformer.disable_gradient_checkpointing()
-            learner.micro_batch_size = micro
+            learner.micro_batch_size = row.micro
             # the profile too runs in the row's setting (run 10 profiled its bf16 row under autocast)
-            with pure_bf16(learner) if bf16 else contextlib.nullcontext():
+            with (pure_bf16(learner) if row.bf16 else contextlib.nullcontext(),
+                  compiled_blocks(transformer, args.compile_backend) if row.compiled else contextlib.nullcontext()):
                 measure_train_row(args, learner, groups, device, peaks, result, save, key, model_flops)
             model_flops = result[key]["model_flops_per_step"]
         except torch.OutOfMemoryError as e:
@@ -729,10 +734,33 @@ def section_train_only(args, shape, device, peaks, result, save):
     del learner, groups
 
 
-def train_rows(spec: str) -> list[tuple[bool, int, bool]]:
-    """'4c,4,16b' -> [(True, 4, False), (False, 4, False), (False, 16, True)]: (gradient
-    checkpointing, micro-batch size, bf16 without autocast)."""
-    return [("c" in row, int(row.rstrip("cb")), "b" in row) for row in spec.split(",") if row]
+class TrainRow(NamedTuple):
+    checkpointing: bool
+    micro: int
+    bf16: bool = False  # computed in bf16 without autocast (pure_bf16)
+    compiled: bool = False  # the transformer's blocks under torch.compile (compiled_blocks)
+
+
+def train_rows(spec: str) -> list[TrainRow]:
+    """'4c,16,16bk' -> rows of micro-batch 4 with gradient checkpointing, 16, and 16 in bf16 without
+    autocast with its blocks compiled."""
+    return [TrainRow("c" in row, int(row.rstrip("cbk")), "b" in row, "k" in row) for row in spec.split(",") if row]
+
+
+@contextlib.contextmanager
+def compiled_blocks(transformer: torch.nn.Module, backend: str):
+    """Each block of the transformer's block lists compiled in place (torch.compile, `backend`),
+    undone after. Run 9's profile put 59 % of SD3.5-M's step in elementwise kernels of diffusers'
+    blocks (modulation, norms, concatenation), what the compiler fuses; compiling block by block
+    keeps one graph per block type, and the timed calls come after the warm-up that compiles."""
+    blocks = [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child]
+    for block in blocks:
+        block.compile(backend=backend)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block._compiled_call_impl = None  # what nn.Module.compile set
 
 
 @contextlib.contextmanager

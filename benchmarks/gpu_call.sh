@@ -38,8 +38,10 @@ run wan22_ti2v_image 120 --shape wan22_ti2v_5b_image --skip-full --skip-embedded
 # folded rollout, with and without autocast, says how much of the gap is autocast's
 run kontext_fused 170 --shape flux_kontext --skip-full --skip-embedded --prompts 1 --group-size 2 --repeats 1 --train-rows ""
 # what the trainer rows left: SD3.5-M's step without autocast profiled in that setting (run 10's
-# profile of it ran under autocast), A14B's trainer on one expert, Flux above micro-batch 4
-run sd35_bf16_profile 80 --shape sd35_medium --train-only --train-rows 16b --repeats 1 --profile
+# profile of it ran under autocast), then as runs train it (autocast) with its blocks compiled, the
+# remedy for the elementwise kernels run 9 profiled (the first compile takes a minute or more);
+# A14B's trainer on one expert; Flux above micro-batch 4
+run sd35_compile 240 --shape sd35_medium --train-only --train-rows 16b,16k --repeats 2 --profile
 run wan22_a14b_train 150 --shape wan22_a14b --train-only --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 run flux_train 90 --shape flux_dev --train-only --train-rows 8 --repeats 1 --profile
 echo "== total $(( $(date +%s) - START ))s" >> "$OUT/log.txt"

@@ -184,7 +184,8 @@ def test_train_only_runs_the_chosen_rows_and_names_the_layer_of_a_failure(gpu, t
                        "--group-size", "4", "--train-rows", "2c,4", "--out", str(tmp_path / "a.json")])
     assert result["errors"] == {} and "pipeline" not in result and "train_full" not in result
     assert result["train_lora_micro2_checkpointing"]["images"] == 4 and result["train_lora_micro4"]["images_per_s"] > 0
-    assert gpu.train_rows("4c,16,8b") == [(True, 4, False), (False, 16, False), (False, 8, True)]
+    assert gpu.train_rows("4c,16,8b,8bk") == [(True, 4, False, False), (False, 16, False, False),
+                                              (False, 8, True, False), (False, 8, True, True)]
 
     def broken(args, learner, *rest):
         learner.train_step(rest[0], version=0)  # runs the transformer's layers, then fails as a kernel would
@@ -225,6 +226,25 @@ def test_a_bf16_row_computes_without_autocast_and_restores_the_fp32_learner(gpu,
     assert first == after == {torch.float32} and bf16 == {torch.bfloat16}
     assert autocast is None and autocast_after == torch.bfloat16
     assert before == 0 and fresh == 0 and restored > 0  # the first row's Adam state, back after the bf16 row
+
+
+@pytest.mark.slow  # the benchmark run whole on a tiny twin, a compile included: about 30 s
+def test_a_compiled_row_compiles_each_block_and_undoes_it(gpu, tmp_path, monkeypatch):
+    """A 'k' trainer row times the step with every block of the transformer compiled (aot_eager here:
+    the graph capture without a C++ build) and leaves the blocks as they were for the next row."""
+    compiled, measure = [], gpu.measure_train
+
+    def spy(args, learner, *rest):
+        transformer = learner.policy.adapter.transformer
+        compiled.append([b._compiled_call_impl is not None for b in transformer.transformer_blocks])
+        return measure(args, learner, *rest)
+
+    monkeypatch.setattr(gpu, "measure_train", spy)
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--train-only", "--prompts", "1",
+                       "--group-size", "2", "--train-rows", "2,2k,2", "--compile-backend", "aot_eager",
+                       "--out", str(tmp_path / "k.json")])
+    assert result["errors"] == {} and result["train_lora_micro2_compiled"]["images_per_s"] > 0
+    assert compiled[0] == compiled[2] == [False] * len(compiled[0]) and compiled[1] == [True] * len(compiled[0])
 
 
 @pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s
