@@ -55,7 +55,8 @@ def run(cfg: Config, actor_classes: dict | None = None) -> dict:
             for rollout in run.rollouts:
                 rollout.stop.remote()
             ray.get(queue.shutdown.remote(), timeout=wait)
-            ray.wait(loops, num_returns=len(loops), timeout=0 if run.stop.requested else cfg.ray.start_timeout_s)
+            # (a loop returns once the group it generates is scored: one generation's work at most)
+            ray.wait(loops, num_returns=len(loops), timeout=0 if run.stop.requested else cfg.ray.work_timeout_s)
             ray.get(queue.drain.remote(), timeout=wait)
 
         def take(batch_ref) -> list:
