@@ -621,8 +621,7 @@ def measure_train_rows(args, learner, groups, device, peaks, result, save) -> No
     transformer = learner.policy.adapter.transformer
     model_flops = None
     for row in train_rows(args.train_rows):
-        key = (f"train_lora_micro{row.micro}" + ("_checkpointing" if row.checkpointing else "")
-               + ("_bf16" if row.bf16 else "") + ("_compiled" if row.compiled else ""))
+        key = row.key
         try:
             if row.checkpointing:
                 transformer.enable_gradient_checkpointing()
@@ -740,6 +739,12 @@ class TrainRow(NamedTuple):
     micro: int
     bf16: bool = False  # computed in bf16 without autocast (pure_bf16)
     compiled: bool = False  # the transformer's blocks under torch.compile (compiled_blocks)
+
+    @property
+    def key(self) -> str:
+        """The row's name in the result JSON, e.g. train_lora_micro16_checkpointing."""
+        return (f"train_lora_micro{self.micro}" + ("_checkpointing" if self.checkpointing else "")
+                + ("_bf16" if self.bf16 else "") + ("_compiled" if self.compiled else ""))
 
 
 def train_rows(spec: str) -> list[TrainRow]:
