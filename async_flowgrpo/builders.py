@@ -122,6 +122,11 @@ def build_learner(cfg: Config, grad_all_reduce=None, adapter=None, device: torch
     if t.fsdp:
         for transformer in policy.transformers():
             fsdp.shard_transformer(transformer, None if compute_dtype == torch.float32 else compute_dtype)
+    if t.compile:
+        from async_flowgrpo.policy import compile_blocks
+
+        for transformer in policy.transformers():
+            compile_blocks(transformer, t.compile)
     # what every algorithm's learner takes: the optimizer, batching and the data-parallel reduce
     schedule = functools.partial(lr_factor, schedule=t.lr_schedule, total_steps=t.total_steps,
                                  warmup_steps=t.warmup_steps, min_ratio=t.lr_min_ratio, decay_steps=t.lr_decay_steps)

@@ -75,6 +75,7 @@ from async_flowgrpo.conditioning import SOURCE_IMAGES, with_sources  # noqa: E40
 from async_flowgrpo.config import load_config  # noqa: E402
 from async_flowgrpo.models import pipeline_adapter_class  # noqa: E402
 from async_flowgrpo.models.common import PromptEmbeds  # noqa: E402
+from async_flowgrpo.policy import compile_blocks  # noqa: E402
 from async_flowgrpo.prompts import load_prompts  # noqa: E402
 from async_flowgrpo.sampling import rollout_sampling  # noqa: E402
 
@@ -602,7 +603,8 @@ def section_rollout(args, shape, device, peaks, result, save):
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
     if not args.skip_fused:
-        result["rollout_fused"] = fused_rollout(args, learner, cfg, batch, sampling, device, rollout)
+        result["rollout_fused"] = {}
+        fused_rollout(args, learner, cfg, batch, sampling, device, rollout, result["rollout_fused"], save)
         log(f"rollout, LoRA folded in (rollout.fuse_lora): {result['rollout_fused']}")
         save()
 
@@ -755,13 +757,9 @@ def train_rows(spec: str) -> list[TrainRow]:
 
 @contextlib.contextmanager
 def compiled_blocks(transformer: torch.nn.Module, backend: str):
-    """Each block of the transformer's block lists compiled in place (torch.compile, `backend`),
-    undone after. Run 9's profile put 59 % of SD3.5-M's step in elementwise kernels of diffusers'
-    blocks (modulation, norms, concatenation), what the compiler fuses; compiling block by block
-    keeps one graph per block type, and the timed calls come after the warm-up that compiles."""
-    blocks = [block for child in transformer.children() if isinstance(child, torch.nn.ModuleList) for block in child]
-    for block in blocks:
-        block.compile(backend=backend)
+    """The transformer's blocks compiled as trainer.compile compiles them (policy.compile_blocks),
+    undone after; the timed calls come after the warm-up that compiles."""
+    blocks = compile_blocks(transformer, backend)
     try:
         yield
     finally:
@@ -791,10 +789,11 @@ def pure_bf16(learner):
         policy.autocast_dtype, learner.optimizer.state = autocast, state
 
 
-def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
+def fused_rollout(args, learner, cfg, batch, sampling, device, rollout, out: dict, save) -> None:
     """The rollout with the LoRA deltas folded into the base weights (what rollout actors do on a
     GPU): its speed, and, on adapters moved off zero (B = 0 at init would fold nothing), how far
-    the trainer's recompute (logp/max_abs_diff) is from its log-probs, and from the adapters'."""
+    the trainer's recompute (logp/max_abs_diff) is from its log-probs, and from the adapters'. Into
+    `out`, saved once the speeds are in (run 12's cap ended Kontext's row in the trainer's steps)."""
     policy = learner.policy
     n = args.prompts * args.group_size
     start = {k: v.clone() for k, v in policy.trainable_state().items()}
@@ -803,7 +802,7 @@ def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
     policy.load_trainable_state(moved)
     policy.fuse_lora()
     secs = timed(rollout, device, args.repeats)
-    out = {"seconds": secs, "images_per_s": per_second(n, secs)}
+    out.update(seconds=secs, images_per_s=per_second(n, secs))
     fused = generate(policy, batch, args, sampling, seed=99)
     # Folded, every weight the rollout touches is bf16, so it could compute as the plain pipeline
     # does, without autocast (which runs LayerNorm and softmax in fp32): a candidate for the rest
@@ -811,6 +810,7 @@ def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
     on, policy.autocast_dtype = policy.autocast_dtype, None
     secs = timed(rollout, device, args.repeats)
     out["no_autocast"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
+    save()
     plain = generate(policy, batch, args, sampling, seed=99)
     policy.autocast_dtype = on
     policy.unfuse_lora()
@@ -821,7 +821,6 @@ def fused_rollout(args, learner, cfg, batch, sampling, device, rollout) -> dict:
         out[f"trainer_logp_max_abs_diff_{name}"] = learner.train_step(groups, version=0).get("logp/max_abs_diff")
         policy.load_trainable_state(moved)
     policy.load_trainable_state(start)
-    return out
 
 
 def section_autocast_ab(args, shape, device, result, save):

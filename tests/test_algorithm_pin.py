@@ -109,6 +109,25 @@ def test_numbers_unchanged_by_the_move(tiny_model_dir, name):
     _assert_digests_close(got["state"], pinned["state"], 1e-5, "weights after")
 
 
+@pytest.mark.slow  # aot_eager compiles each block variant: about a minute
+def test_compiled_blocks_train_to_the_same_numbers(tiny_model_dir, monkeypatch):
+    """trainer.compile: every block of the learner's transformer under torch.compile (aot_eager, the
+    same graphs without inductor's C++ build), the KL term's adapters-off pass included, trains to the
+    pinned Flow-GRPO numbers."""
+    from async_flowgrpo import policy
+
+    compile_blocks, compiled = policy.compile_blocks, []
+    monkeypatch.setattr(policy, "compile_blocks", lambda t, backend: compiled.extend(compile_blocks(t, backend)))
+    torch.manual_seed(0)
+    got = _run(_config(tiny_model_dir, *CASES["flow_grpo"], "trainer.compile=aot_eager"), steps=2)
+    assert compiled and all(block._compiled_call_impl is not None for block in compiled)
+    pinned = torch.load(PIN)["flow_grpo"]
+    for m, p in zip(got["metrics"], pinned["metrics"]):
+        for k in ("loss/policy", "loss/kl", "train/grad_norm"):
+            assert m[k] == pytest.approx(p[k], rel=2e-3, abs=1e-7), k
+    _assert_digests_close(got["state"], pinned["state"], 1e-5, "weights after")
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write"]:
     import tempfile
 

@@ -84,6 +84,8 @@ BAD_CONFIGS = [
     (["algorithm.beta=0.04", "model.lora_rank=0"], "algorithm.beta"),
     (["model.lora_rank=-4"], "model.lora_rank"),
     (["model.dtype=float8"], "model.dtype"),
+    (["trainer.compile=turbo"], "trainer.compile: 'turbo': not a torch.compile backend"),
+    (["trainer.compile=inductor", "trainer.fsdp=true"], "trainer.compile: not with trainer.fsdp"),
     (["model.family=sdxl"], "model.family"),
     (["sync.transport=carrier_pigeon"], "sync.transport"),
     (["sync.every=0"], "sync.every"),
