@@ -584,7 +584,8 @@ def section_rollout(args, shape, device, peaks, result, save):
     groups = []
 
     def rollout():
-        groups[:] = generate(policy, batch, args, sampling, seed=len(groups))
+        with rollout_attention():
+            groups[:] = generate(policy, batch, args, sampling, seed=len(groups))
 
     flops, secs = counted_and_timed(rollout, device, args.repeats)
     if monitor is not None:
@@ -787,6 +788,21 @@ def pure_bf16(learner):
         for p in params:
             p.data, p.grad = p.data.float(), None
         policy.autocast_dtype, learner.optimizer.state = autocast, state
+
+
+@contextlib.contextmanager
+def rollout_attention():
+    """Attention backends as a rollout actor has them, the pipeline's: build_learner turns cuDNN's
+    fused attention off for the whole process (its backward failed on the H200), which a rollout
+    actor never does, and this process timed the pipeline before building the learner. Runs 1-13
+    timed our rollout without cuDNN's kernel, so their ratios may hold an attention-kernel gap, the
+    larger the more attention a shape has (Kontext's and Qwen-Image-Edit's doubled sequences)."""
+    was = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was)
 
 
 def fused_rollout(args, learner, cfg, batch, sampling, device, rollout, out: dict, save) -> None:

@@ -20,11 +20,22 @@ def gpu():
 
 
 @pytest.mark.slow  # the whole benchmark on CPU, its engine and embedded loop included: about 20 s
-def test_tiny_run_fills_every_section(gpu, tmp_path):
+def test_tiny_run_fills_every_section(gpu, tmp_path, monkeypatch):
     out = tmp_path / "gpu.json"
-    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--embedded-steps", "1",
-                       "--out", str(out)])
+    # the rollout is timed with the attention backends a rollout actor has, whatever the learner set
+    # for the process (build_learner turns cuDNN's attention off on a GPU)
+    generate, cudnn_attention = gpu.generate, []
+    monkeypatch.setattr(gpu, "generate", lambda *a, **k: cudnn_attention.append(torch.backends.cuda.cudnn_sdp_enabled())
+                        or generate(*a, **k))
+    monkeypatch.setattr(gpu, "build_learner", lambda *a, build=gpu.build_learner, **k:
+                        torch.backends.cuda.enable_cudnn_sdp(False) or build(*a, **k))
+    try:
+        result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--embedded-steps", "1",
+                           "--out", str(out)])
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
     assert result["errors"] == {}
+    assert True in cudnn_attention and False in cudnn_attention  # the timed rollouts; the fused comparison's
     assert json.loads(out.read_text())["shape"] == "tiny"  # saved as it went
     n = 2 * 8
     for key in ("pipeline", "rollout", "train_lora_micro4_checkpointing", "train_lora_micro4", "train_lora_micro16",

@@ -55,15 +55,30 @@ class FluxKontextAdapter(FluxAdapter):
 
         return PromptEmbeds(enc.embeds, join(enc.pooled), enc.negative_embeds, join(enc.negative_pooled))
 
+    def _ids(self, h: int, w: int, images: int, text: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(img_ids, txt_ids) on the device: the output's (0, row, col) then each input image's (k, row,
+        col), and the text's zeros; built once per size and kept, as the pipeline builds its ids once
+        per call (`prepare_latents`), not every step: built on the host, each step's copy to the device
+        synchronised the stream in every denoising step (a blocking `.to(device)`)."""
+        key = (h, w, images, text, self.device, dtype)
+        cache = self.__dict__.setdefault("_id_cache", {})
+        if key not in cache:
+            with torch.inference_mode(False):  # kept for later calls, which may record autograd
+                ids = self.pipeline._prepare_latent_image_ids(None, h, w, self.device, dtype)
+                first = torch.zeros(1, dtype=torch.long, device=self.device)  # index_fill_'s index: the frame column
+                img_ids = torch.cat([ids] + [ids.clone().index_fill_(1, first, k) for k in range(1, images + 1)])
+                txt_ids = torch.zeros(text, 3, device=self.device, dtype=dtype)
+            if len(cache) >= 8:
+                cache.clear()
+            cache[key] = (img_ids, txt_ids)
+        return cache[key]
+
     def _forward(self, transformer, x, t, embeds, pooled, *, shape, guidance_scale):
         dt, (h, w), n = self.dtype, shape[-2:], x.shape[1]
         pooled = pooled.to(self.device)
         width = transformer.config.pooled_projection_dim
         tokens = pooled[:, width:].reshape(x.shape[0], -1, x.shape[-1]).to(dt)
-        ids = self.pipeline._prepare_latent_image_ids(None, h // 2, w // 2, self.device, dt)
-        img_ids = torch.cat([ids] + [ids.clone().index_fill_(1, torch.tensor([0], device=self.device), k)
-                                     for k in range(1, tokens.shape[1] // n + 1)])
-        txt_ids = torch.zeros(embeds.shape[1], 3, device=self.device, dtype=dt)
+        img_ids, txt_ids = self._ids(h // 2, w // 2, tokens.shape[1] // n, embeds.shape[1], dt)
         guidance = None
         if self.guidance_distilled:
             guidance = torch.full((x.shape[0],), float(guidance_scale), device=self.device, dtype=torch.float32)
