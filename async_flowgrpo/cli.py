@@ -3,8 +3,8 @@
 Exit codes: 0 done; 2 a mistake found before Ray starts (config, input files, run directory,
 checkpoint to resume), one line on stderr; 1 a failure during the run, one line; 128 + signal
 (143 SIGTERM, 130 SIGINT) a graceful stop, with the command that resumes: after a checkpoint of the
-current step, or, when the signal stopped the trainers too or trainer.stop_grace_s ran out first,
-naming the last checkpoint.
+current step, or, when the signal stopped the trainers too, trainer.stop_grace_s ran out first or
+the actors did not answer in time, naming the last checkpoint.
 """
 
 from __future__ import annotations
@@ -82,6 +82,12 @@ def stop_line(stopped: Stopped, argv: list[str]) -> str:
     if stopped.ray_lost:
         return (f"stopped at step {stopped.step} without a checkpoint (the signal stopped Ray's processes too; there is "
                 f"none to resume); start again with: {again_command(argv, 'trainer.overwrite=true')}")
+    if stopped.why_unsaved is not None and stopped.resumable:
+        return (f"stopped at step {stopped.step} without a checkpoint of it ({stopped.why_unsaved}); the last checkpoint "
+                f"is {stopped.last}; resume with: {again_command(argv, 'trainer.resume=latest')}")
+    if stopped.why_unsaved is not None:
+        return (f"stopped at step {stopped.step} without a checkpoint ({stopped.why_unsaved}; there is none to resume); "
+                f"start again with: {again_command(argv, 'trainer.overwrite=true')}")
     if stopped.resumable:
         return (f"stopped at step {stopped.step} without a checkpoint of it (second signal; the previous checkpoint "
                 f"is the latest); resume with: {again_command(argv, 'trainer.resume=latest')}")

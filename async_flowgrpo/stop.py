@@ -21,7 +21,11 @@ then would leave Ray's processes behind.
 
 A signal sent to every process of the run (SLURM, systemd) stops the trainers and Ray's own
 processes with the driver: nothing of the current step can be saved then, so the driver leaves at
-once (`ray_lost`), naming the last checkpoint, rather than wait on a Ray that is gone.
+once (`ray_lost`), naming the last checkpoint, rather than wait on a Ray that is gone. Only a death
+says so (a dead trainer, GCS or raylet, a dead actor's error): a call that merely ran past its
+timeout (a loaded machine) is a slow cluster; the stop's save is tried again within the grace
+period, and where it cannot be written the line says the actors did not answer in time
+(`Stopped.why_unsaved`), never that Ray died.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import _thread
 import signal
 import threading
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -60,13 +65,15 @@ class Stopped(Exception):
     """The run stopped on a signal at ``step``; ``saved``: a checkpoint of that step exists;
     ``last``: the newest checkpoint's name (None: there is none: a second signal, or Ray lost,
     before the first); ``ray_lost``: the signal reached the trainers too, so nothing could be saved;
-    ``overdue_s``: the grace period (s) that ran out before the checkpoint was written, or None."""
+    ``overdue_s``: the grace period (s) that ran out before the checkpoint was written, or None;
+    ``why_unsaved``: why it was not written, Ray being up (actors that did not answer in time, an
+    actor's error), or None."""
 
     def __init__(self, signum: int, step: int, saved: bool, last: str | None, ray_lost: bool = False,
-                 overdue_s: float | None = None):
+                 overdue_s: float | None = None, why_unsaved: str | None = None):
         super().__init__(f"stopped at step {step}")
         self.signum, self.step, self.saved, self.last, self.ray_lost = signum, step, saved, last, ray_lost
-        self.overdue_s = overdue_s
+        self.overdue_s, self.why_unsaved = overdue_s, why_unsaved
         self.exit_code = 128 + signum
 
     @property
@@ -84,6 +91,7 @@ class GracefulStop:
         self.overdue = False  # the grace period ran out before the driver was done saving
         self.ray_lost = False  # Ray's processes died under the driver (see lose_ray)
         self.raised: StopRequested | None = None  # the last stop raised by the handler (see as_stop)
+        self._give_up_at: float | None = None  # (monotonic) when the grace period's end gives up (see time_left)
         self._abandonable = 0
         self._closing = False
         self._previous: dict[int, object] = {}
@@ -115,6 +123,7 @@ class GracefulStop:
             raise self.raised
         self.signum = signum
         if self.grace_s is not None:
+            self._give_up_at = time.monotonic() + max(0.0, self.grace_s - SHUTDOWN_RESERVE_S)
             timer = threading.Timer(max(0.0, self.grace_s - SHUTDOWN_RESERVE_S), self._give_up)
             timer.daemon = True
             timer.start()
@@ -139,6 +148,13 @@ class GracefulStop:
             signal.pthread_kill(threading.main_thread().ident, self.signum)
         else:
             _thread.interrupt_main(self.signum)
+
+    def time_left(self) -> float | None:
+        """Seconds until the grace period's end gives up what is in progress (>= 0), after a signal;
+        None without a deadline (no grace period, or no signal yet)."""
+        if self._give_up_at is None:
+            return None
+        return max(0.0, self._give_up_at - time.monotonic())
 
     def lose_ray(self) -> None:
         """Ray's processes are gone (called by a watcher thread). After a signal, the driver leaves at

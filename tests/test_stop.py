@@ -193,3 +193,142 @@ def test_the_stop_line_after_the_grace_period_ran_out_names_the_last_checkpoint(
     assert "none to resume" in none and none.endswith("trainer.overwrite=true")
     # the stop's own checkpoint was written just before the end: the plain line
     assert stop_line(Stopped(signal.SIGTERM, 4, saved=True, last=last, overdue_s=20.0), argv).startswith("stopped at step 4; resume")
+
+
+# -- a slow cluster is not a lost one (Run.__exit__ after a signal, without Ray) -----------------------
+def stopping_run(tmp_path, save, grace_s: float | None = 20.0):
+    """A Run at step 5 after a SIGTERM (its last checkpoint: step 4), as `Run.__exit__` sees it, with
+    `save` standing for save_checkpoint: what the stop does with the errors of the calls it makes."""
+    from types import SimpleNamespace
+
+    from async_flowgrpo.driver.run import Run
+
+    run = Run.__new__(Run)
+    run.cfg = SimpleNamespace(trainer=SimpleNamespace(stop_grace_s=grace_s),
+                              ray=SimpleNamespace(call_timeout_s=60.0, work_timeout_s=3600.0))
+    saved = ["step_000004"]
+    run.checkpointer = SimpleNamespace(root=str(tmp_path), latest_name=lambda: saved[-1])
+    run.step, run.saved_step, run.cluster, run.log, run.started_early = 5, 4, None, None, None
+    run.stop = GracefulStop(grace_s)  # not installed: the deadline's timer cannot interrupt this thread
+    run.exited = []
+    run._on_exit = [lambda: run.exited.append(True)]
+
+    def save_checkpoint(at_stop: bool = False) -> str:
+        save()
+        run.saved_step = run.step
+        saved.append("step_000005")
+        return str(tmp_path / "step_000005")
+
+    run.save_checkpoint = save_checkpoint
+    run.stop.request(signal.SIGTERM)  # noted: the driver goes on to its next safe point
+    return run
+
+
+def exit_with(run, exc: BaseException) -> Stopped:
+    with pytest.raises(Stopped) as stopped:
+        run.__exit__(type(exc), exc, None)
+    assert run.stop.closing
+    return stopped.value
+
+
+def test_a_save_that_times_out_after_a_signal_is_tried_again_not_taken_for_a_lost_ray(tmp_path):
+    """A ray.get past its timeout while the stop's checkpoint is written (a loaded machine) is a slow
+    cluster, not one the signal stopped: the save is tried again within trainer.stop_grace_s."""
+    import ray
+
+    calls = []
+
+    def slow_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    run = stopping_run(tmp_path, slow_once)
+    stopped = exit_with(run, StopRequested(signal.SIGTERM))
+    assert len(calls) == 2 and stopped.saved and not stopped.ray_lost and stopped.step == 5
+    assert run.exited  # the actors answer: the mode's end runs as after any stop
+
+    from async_flowgrpo.cli import stop_line
+
+    assert stop_line(stopped, ["trainer.output_dir=/tmp/x"]).startswith("stopped at step 5; resume with: ")
+
+
+def test_a_save_that_keeps_timing_out_says_so_and_never_that_ray_died(tmp_path, monkeypatch):
+    """Without time left to try again (no grace period here; with one, until it runs out), the line
+    names the timeouts and the last checkpoint, not "the signal stopped Ray's processes too"."""
+    import time
+
+    import ray
+
+    from async_flowgrpo import stop as stop_module
+    from async_flowgrpo.cli import stop_line
+
+    def never():
+        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    stopped = exit_with(stopping_run(tmp_path, never, grace_s=None), StopRequested(signal.SIGTERM))
+    assert not stopped.saved and not stopped.ray_lost and stopped.why_unsaved
+    line = stop_line(stopped, ["trainer.output_dir=/tmp/x"])
+    assert "Ray's processes" not in line and "did not answer in time" in line and "ray.call_timeout_s=60" in line
+    assert f"the last checkpoint is {tmp_path}/step_000004; resume with: " in line and line.endswith("trainer.resume=latest")
+
+    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, signal.SIG_IGN)  # the timer's interrupt does nothing here
+    monkeypatch.setattr(stop_module, "SHUTDOWN_RESERVE_S", 19.0)  # grace 20 s: given up 1 s after the signal
+    calls = []
+    t0 = time.monotonic()
+    stopped = exit_with(stopping_run(tmp_path, lambda: calls.append(1) or never()), StopRequested(signal.SIGTERM))
+    assert len(calls) >= 2 and time.monotonic() - t0 < 5  # tried again until the grace period's end, no longer
+    assert not stopped.saved and not stopped.ray_lost
+    assert "Ray's processes" not in stop_line(stopped, ["trainer.output_dir=/tmp/x"])
+
+
+def test_a_call_of_the_loop_that_timed_out_after_a_signal_is_not_a_lost_ray(tmp_path):
+    """The step's own call (an update, a queue call) ran past its timeout after the signal: nothing is
+    saved (an update may still be running in the trainers: a checkpoint would mislabel it), and the
+    line says the actors did not answer, not that Ray died; the mode's end, which would wait on them, is skipped."""
+    import ray
+
+    from async_flowgrpo.cli import stop_line
+
+    saves = []
+    run = stopping_run(tmp_path, lambda: saves.append(1))
+    stopped = exit_with(run, ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready."))
+    assert not saves and not stopped.saved and not stopped.ray_lost and not run.exited
+    assert stopped.exit_code == 143
+    line = stop_line(stopped, ["trainer.output_dir=/tmp/x"])
+    assert line.startswith("stopped at step 5 without a checkpoint of it (the actors did not answer in time")
+    assert "Ray's processes" not in line and line.endswith("trainer.resume=latest")
+
+
+def test_actors_that_died_after_a_signal_are_still_a_lost_ray(tmp_path, caplog):
+    """A dead actor (the signal sent to every process of the run reached it), in the loop or during
+    the save, is what `ray_lost` means: the line names the last checkpoint, the mode's end is skipped,
+    and a warning says which error decided it."""
+    import ray
+
+    saves = []
+    run = stopping_run(tmp_path, lambda: saves.append(1))
+    with caplog.at_level("WARNING", logger="async_flowgrpo.driver.run"):
+        stopped = exit_with(run, ray.exceptions.ActorDiedError())
+    assert stopped.ray_lost and not stopped.saved and not saves and not run.exited
+    assert "step 5: after the signal, ActorDiedError" in caplog.text and "taken for gone (ActorDiedError)" in caplog.text
+
+    def dies():
+        raise ray.exceptions.RayActorError()
+
+    run = stopping_run(tmp_path, dies)
+    stopped = exit_with(run, StopRequested(signal.SIGTERM))
+    assert stopped.ray_lost and not stopped.saved and not run.exited
+
+
+def test_an_actors_own_error_after_a_signal_is_named_not_taken_for_a_lost_ray(tmp_path):
+    """An actor that raised (alive: its task failed) is not a Ray the signal stopped: the line names the error."""
+    import ray
+
+    from async_flowgrpo.cli import stop_line
+
+    error = ray.exceptions.RayTaskError("get_batch", "Traceback ...", ValueError("bad group"))
+    stopped = exit_with(stopping_run(tmp_path, lambda: None), error)
+    assert not stopped.ray_lost and not stopped.saved
+    line = stop_line(stopped, ["trainer.output_dir=/tmp/x"])
+    assert "(an actor failed after the signal: ValueError: bad group); the last checkpoint is " in line

@@ -42,6 +42,13 @@ from async_flowgrpo.types import Group, GroupRecord
 logger = logging.getLogger(__name__)
 
 
+# Errors that mean a process of Ray died (after a signal: the signal reached it too), as opposed to a
+# call that was slow (GetTimeoutError) or an actor's own error (RayTaskError).
+RAY_DEATHS = (ray.exceptions.RayActorError, ray.exceptions.RaySystemError, ray.exceptions.ObjectLostError,
+              ray.exceptions.WorkerCrashedError, ray.exceptions.LocalRayletDiedError, ray.exceptions.NodeDiedError,
+              ray.exceptions.RpcError, ray.exceptions.OutOfMemoryError)
+
+
 def checkpointer(cfg: Config) -> Checkpointer:
     return Checkpointer(os.path.join(cfg.trainer.output_dir, "checkpoints"), keep=cfg.trainer.keep_checkpoints)
 
@@ -550,7 +557,11 @@ class Run:
         """Tell the stop handling when a Ray this process started dies under it: a signal sent to every
         process of the run (SLURM, systemd) stops the trainers, the GCS and the raylet with the driver."""
         while not self.stop.closing:
-            if local_ray_lost() or (self.stop.requested and self.cluster.trainers_gone()):
+            gcs_or_raylet = local_ray_lost()
+            if gcs_or_raylet or (self.stop.requested and self.cluster.trainers_gone()):
+                if self.stop.requested:  # (before a signal, the run's own error handling reports it)
+                    logger.warning("step %d: after the signal, %s has exited: Ray's processes taken for gone",
+                                   getattr(self, "step", 0), "the GCS or the raylet" if gcs_or_raylet else "a trainer's process")
                 self.stop.lose_ray()
                 return
             time.sleep(0.5)
@@ -568,23 +579,23 @@ class Run:
         """A signal saves a checkpoint and becomes `Stopped`; a dead actor ends the run with one clear
         line; always shut down."""
         stop = self.stop.as_stop(exc) if exc is not None else None
+        why_unsaved = None  # Ray up, the stop's checkpoint not written: why (actors that did not answer in time...)
         if stop is None and self.stop.requested and isinstance(exc, ray.exceptions.RayError):
-            # an actor failed after a signal: the signal reached it too (sent to every process of the run)
-            stop, self.stop.ray_lost = StopRequested(self.stop.signum, force=True), True
+            # A call failed after a signal. Its step's update may still be running in the trainers (a
+            # checkpoint now would label it wrongly): nothing is saved. Either the signal reached Ray's
+            # processes too (sent to every process of the run), or the call was slow, or an actor raised.
+            stop = StopRequested(self.stop.signum, force=True)
+            if self._ray_gone(exc):
+                self._lose_ray(exc)
+            else:
+                why_unsaved = self._why_not_saved(exc)
         try:
             if stop is not None:
                 # Raised only between steps or while waiting for rollouts or an evaluation (a second
                 # signal or the grace period's end: anywhere).
                 # Saved even when step N already was: the rollouts finished since then go in too.
                 if not stop.force:
-                    try:
-                        self.save_checkpoint(at_stop=True)
-                    except BaseException as e:
-                        if self.stop.as_stop(e) is None and not isinstance(e, ray.exceptions.RayError):
-                            raise
-                        # asked again while saving, out of time, or the trainers went with the signal:
-                        # the save is abandoned, the previous checkpoint stays the latest
-                        self.stop.ray_lost |= self.stop.as_stop(e) is None
+                    why_unsaved = self._save_at_stop()
                 self.stop.close()  # saved or given up: nothing more to interrupt (the deadline included)
                 if self.stop.overdue and (stop.force or self.saved_step != self.step):
                     logger.warning("step %d: trainer.stop_grace_s=%g nearly over: the update or save in progress is "
@@ -594,7 +605,8 @@ class Run:
                 raise Stopped(stop.signum, self.step, saved=self.saved_step == self.step,
                               last=os.path.join(self.checkpointer.root, last) if last else None,
                               ray_lost=self.stop.ray_lost,
-                              overdue_s=self.cfg.trainer.stop_grace_s if self.stop.overdue else None) from None
+                              overdue_s=self.cfg.trainer.stop_grace_s if self.stop.overdue else None,
+                              why_unsaved=why_unsaved) from None
             elif exc_type is not None and issubclass(exc_type, ray.exceptions.RayActorError):
                 last = self.checkpointer.latest_name()
                 raise RunError(
@@ -617,12 +629,78 @@ class Run:
                 raise RunError(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300]} (checkpoint: {path})") from None
         finally:
             self.stop.close()
-            for fn in self._on_exit if not self.stop.ray_lost else ():  # (they would wait on the dead actors)
+            # (skipped when they would wait on dead actors, or on actors that did not answer in time)
+            for fn in self._on_exit if not (self.stop.ray_lost or why_unsaved) else ():
                 try:
                     fn()
                 except Exception as e:  # the actors are shut down next anyway; keep the run's own error
                     logger.warning("while ending the run: %s: %s", type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
             self.shutdown()
+
+    def _save_at_stop(self) -> str | None:
+        """The stop's checkpoint. Returns None when it is written, or given up for good reason (asked
+        again, the grace period's end, Ray gone with the signal: the previous checkpoint stays the
+        latest); else why it was not written, Ray being up. A call that ran past its timeout (a slow
+        cluster, not a dead one) is tried again while trainer.stop_grace_s lasts."""
+        pause = 0.0
+        while True:
+            try:
+                time.sleep(pause)
+                self.save_checkpoint(at_stop=True)
+                return None
+            except BaseException as e:
+                if self.stop.as_stop(e) is not None:  # asked again while saving, or out of time
+                    return None
+                if not isinstance(e, ray.exceptions.RayError):
+                    raise
+                if self._ray_gone(e):  # the trainers went with the signal
+                    self._lose_ray(e)
+                    return None
+                left = self.stop.time_left()
+                if not isinstance(e, ray.exceptions.GetTimeoutError) or not left:
+                    return self._why_not_saved(e)
+                logger.warning("step %d: the stop's checkpoint: a call to the actors ran past its timeout; trying "
+                               "again (%.0f s left of trainer.stop_grace_s)", self.step, left)
+                pause = min(0.5, left)
+
+    def _ray_gone(self, error: BaseException) -> str | None:
+        """Whether `error`, raised by a call after a signal, means Ray's processes died (the signal was
+        sent to every process of the run): what says so (a trainer, the GCS or the raylet of a Ray
+        started here has exited, or the error is a death: an actor, a worker, a node, an object's
+        owner), or None. A call past its timeout is not: the cluster is slow (a loaded machine)."""
+        if self.stop.ray_lost:
+            return "seen by the watcher"
+        if local_ray_lost():
+            return "the GCS or the raylet has exited"
+        if self.cluster is not None and self.cluster.trainers_gone():
+            return "a trainer's process has exited"
+        cause = getattr(error, "cause", None)  # an actor's task that raised: what it raised
+        if isinstance(error, ray.exceptions.RayTaskError) and isinstance(cause, (SystemExit, KeyboardInterrupt)):
+            return f"an actor's task ended by {type(cause).__name__}"  # the signal reached the actor during the task
+        if isinstance(error, ray.exceptions.RayTaskError) and isinstance(cause, ray.exceptions.RayError):
+            error = cause  # (an actor waiting on another that died)
+        if isinstance(error, (ray.exceptions.GetTimeoutError, ray.exceptions.ObjectFetchTimedOutError)):
+            return None
+        return type(error).__name__ if isinstance(error, RAY_DEATHS) else None
+
+    def _lose_ray(self, error: BaseException) -> None:
+        """After a signal, `error` showed Ray's processes gone: say what (the stop line says only that
+        the signal stopped them too), then leave without waiting on them."""
+        text = str(error).splitlines()[0][:200] if str(error) else ""
+        logger.warning("step %d: after the signal, %s%s: Ray's processes taken for gone (%s)", self.step,
+                       type(error).__name__, f" ({text})" if text else "", self._ray_gone(error))
+        self.stop.ray_lost = True
+
+    def _why_not_saved(self, error: BaseException) -> str:
+        """The stop line's words for a call that failed after a signal, Ray being up."""
+        if isinstance(error, (ray.exceptions.GetTimeoutError, ray.exceptions.ObjectFetchTimedOutError)):
+            r = self.cfg.ray
+            return (f"the actors did not answer in time after the signal: a call longer than ray.call_timeout_s="
+                    f"{r.call_timeout_s:g} s or work longer than ray.work_timeout_s={r.work_timeout_s:g} s")
+        cause = getattr(error, "cause", None) if isinstance(error, ray.exceptions.RayTaskError) else None
+        cause = cause if cause is not None else error
+        text = str(cause).splitlines()[0][:200] if str(cause) else ""
+        return f"an actor failed after the signal: {type(cause).__name__}{': ' + text if text else ''}"
 
     def shutdown(self) -> None:
         self.stop.close()  # a signal now would leave actors behind
