@@ -64,6 +64,11 @@ def build_engine(cfg: Config, update_point: str):
     policy = build_policy(cfg)
     if should_fuse_lora(cfg, policy.autocast_dtype is not None):
         policy.fuse_lora()
+    if cfg.rollout.compile:
+        from async_flowgrpo.policy import compile_blocks
+
+        for transformer in policy.transformers():
+            compile_blocks(transformer, cfg.rollout.compile)
     return DiffusersEngine(policy, update_point=update_point)
 
 

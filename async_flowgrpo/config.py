@@ -91,6 +91,9 @@ class RolloutConfig:
     # adapters' own matmuls cost 15 % on an H200); null: on where the policy computes in bf16/fp16
     # (GPUs), unless algorithm.is_correction=step or prox_mode=bypass (builders.should_fuse_lora says why)
     fuse_lora: Optional[bool] = None
+    # a torch.compile backend (inductor on GPUs) for each transformer block of the rollout actors' policy;
+    # null = eager. As trainer.compile (the first generations compile); not yet timed on a GPU
+    compile: Optional[str] = None
     resolution: int = 0  # 0 = the model's own (embedded model: 32)
     # frames per video (video families: wan), rollouts and evaluation; 0 = the model's own
     # (<model.path>/async_flowgrpo.json, else 81). num_frames - 1 must be a multiple of the VAE's temporal factor (Wan: 4)
@@ -469,11 +472,15 @@ def validate(c: Config) -> None:
     reserve = stop.SHUTDOWN_RESERVE_S
     _require(t.stop_grace_s >= 2 * reserve, "trainer.stop_grace_s", f"must be >= {2 * reserve:g} (its last {reserve:g} s shut Ray down)")
     _require(t.min_step_time_s >= 0, "trainer.min_step_time_s", "must be >= 0 (0 = off)")
-    if t.compile is not None:
-        import torch._dynamo
+    for key, backend in (("rollout.compile", r.compile), ("trainer.compile", t.compile)):
+        if backend is not None:
+            import torch._dynamo
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        _require(t.compile in backends, "trainer.compile", f"{t.compile!r}: not a torch.compile backend (inductor, aot_eager, ...); null = eager")
+            _require(backend in torch._dynamo.list_backends(exclude_tags=()), key,
+                     f"{backend!r}: not a torch.compile backend (inductor, aot_eager, ...); null = eager")
+    _require(r.compile is None or r.engine == "diffusers", "rollout.compile",
+             "compiles the diffusers engine's blocks; vllm-omni compiles by its own settings: use null")
+    if t.compile is not None:
         _require(not t.fsdp and t.sequence_parallel == 1, "trainer.compile",
                  "not with trainer.fsdp or trainer.sequence_parallel > 1 yet (untried together); use null")
     _require(0 <= t.ema_decay < 1, "trainer.ema_decay", "must be in [0, 1) (0 = no weight average)")

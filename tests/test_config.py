@@ -85,6 +85,7 @@ BAD_CONFIGS = [
     (["model.lora_rank=-4"], "model.lora_rank"),
     (["model.dtype=float8"], "model.dtype"),
     (["trainer.compile=turbo"], "trainer.compile: 'turbo': not a torch.compile backend"),
+    (["rollout.compile=turbo"], "rollout.compile: 'turbo': not a torch.compile backend"),
     (["trainer.compile=inductor", "trainer.fsdp=true"], "trainer.compile: not with trainer.fsdp"),
     (["model.family=sdxl"], "model.family"),
     (["sync.transport=carrier_pigeon"], "sync.transport"),

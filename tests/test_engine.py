@@ -83,3 +83,27 @@ def test_engine_folds_lora_where_the_policy_computes_in_low_precision(tiny_model
 
     cfg = load_config("sync", [f"model.path={tiny_model_dir}", "model.lora_rank=4", *overrides])
     assert build_engine(cfg, "between_steps").policy.lora_fused == fused
+
+
+@pytest.mark.slow  # aot_eager compiles each block variant: about 15 s
+def test_rollout_compile_compiles_each_block_and_samples_the_same(tiny_model_dir):
+    """rollout.compile: the engine's transformer blocks under torch.compile (aot_eager: the same
+    graphs without inductor's C++ build) give the eager engine's samples and log-probs, before and
+    after a weight update."""
+    from async_flowgrpo.builders import build_engine
+    from async_flowgrpo.config import load_config
+
+    def samples(*overrides):
+        cfg = load_config("sync", [f"model.path={tiny_model_dir}", "model.lora_rank=4", *overrides])
+        engine = build_engine(cfg, "between_steps")
+        first = engine.generate(["a red circle"], 2, seed=3, **SAMPLING)
+        engine.load_weights(new_weights(engine.policy), version=1)
+        return engine, first + engine.generate(["a red circle"], 2, seed=3, **SAMPLING)
+
+    _, eager = samples()
+    engine, compiled = samples("rollout.compile=aot_eager")
+    blocks = engine.policy.adapter.transformer.transformer_blocks
+    assert all(block._compiled_call_impl is not None for block in blocks)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c.log_probs, e.log_probs, rtol=1e-4, atol=1e-5)
+        assert (c.images.int() - e.images.int()).abs().max() <= 1
