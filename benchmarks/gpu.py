@@ -207,8 +207,10 @@ def parse_args(argv):
                          "'b' = computed in bf16 without autocast, the adapters in bf16 too (a speed bound: "
                          "Adam's updates of bf16 adapters round away), 'k' = the transformer's blocks compiled (FLOPs are counted on the first row: "
                          "put a 'k' row after another)")
+    ap.add_argument("--rollout-compile", action="store_true",
+                    help="also time the rollout with its blocks compiled (rollout.compile), after the adapters-off row")
     ap.add_argument("--compile-backend", default="inductor",
-                    help="torch.compile backend of the 'k' trainer rows (the tests use aot_eager: no C++ build)")
+                    help="torch.compile backend of the 'k' trainer rows and --rollout-compile (the tests use aot_eager: no C++ build)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every section, repeatable (--set algorithm.name=awm: AWM's "
                          "config file and its rollout, ODE samples, with it)")
@@ -603,6 +605,13 @@ def section_rollout(args, shape, device, peaks, result, save):
     result["rollout_adapters_off"] = {"seconds": secs, "images_per_s": per_second(n, secs), "flops_per_image": flops / n}
     log(f"rollout, adapters off: {result['rollout_adapters_off']['images_per_s']} images/s")
     save()
+    if args.rollout_compile:  # rollout.compile, the adapters attached (a warm-up call compiles)
+        with compiled_blocks(policy.adapter.transformer, args.compile_backend):
+            secs = timed(rollout, device, args.repeats)
+        c = result["rollout_compiled"] = {"seconds": secs, "images_per_s": per_second(n, secs)}
+        c["vs_pipeline"] = round(c["images_per_s"] / result["pipeline"]["images_per_s"], 3)
+        log(f"rollout, blocks compiled: {c['images_per_s']} images/s = {c['vs_pipeline']} x the pipeline")
+        save()
     if not args.skip_fused:
         result["rollout_fused"] = {}
         fused_rollout(args, learner, cfg, batch, sampling, device, rollout, result["rollout_fused"], save)

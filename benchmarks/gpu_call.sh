@@ -31,10 +31,11 @@ run() {  # run NAME CAP_S ARGS...: benchmarks/gpu.py under min(CAP_S, time left)
 # users would ask: the edit rollouts again after the changes that followed run 12 (Qwen-Image-Edit's build
 # of 20 B and its pipeline take ~130 s); Kontext's folded rollout, with and without autocast (its speeds
 # are saved before the trainer's three comparison steps, which a cap may cut); SD3.5-M compiled with the
-# recompile limit raised (trainer.compile); Wan2.2 I2V-A14B as T2V-A14B (~220 s) and A14B's trainer on one expert.
+# recompile limit raised (trainer.compile), and its rollout compiled (rollout.compile); Wan2.2 I2V-A14B as T2V-A14B (~220 s) and A14B's trainer on one expert.
 run qwen_edit 200 --shape qwen_image_edit --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows ""
 run kontext_fused 200 --shape flux_kontext --skip-full --skip-embedded --prompts 1 --group-size 2 --repeats 1 --train-rows ""
 run sd35_compile 150 --shape sd35_medium --train-only --train-rows 16k --repeats 2 --profile
+run sd35_rollout_compile 150 --shape sd35_medium --skip-full --skip-embedded --skip-fused --repeats 2 --train-rows "" --rollout-compile
 run wan22_i2v_a14b 220 --shape wan22_i2v_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 run wan22_a14b_train 150 --shape wan22_a14b --train-only --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 echo "== total $(( $(date +%s) - START ))s" >> "$OUT/log.txt"

@@ -258,6 +258,19 @@ def test_a_compiled_row_compiles_each_block_and_undoes_it(gpu, tmp_path, monkeyp
     assert compiled[0] == compiled[2] == [False] * len(compiled[0]) and compiled[1] == [True] * len(compiled[0])
 
 
+@pytest.mark.slow  # the rollout section on a tiny twin, a compile included: about 20 s
+def test_rollout_compile_times_the_rollout_with_its_blocks_compiled(gpu, tmp_path, monkeypatch):
+    generate, compiled = gpu.generate, []
+    monkeypatch.setattr(gpu, "generate", lambda policy, *a, **k: compiled.append(
+        [b._compiled_call_impl is not None for b in policy.adapter.transformer.transformer_blocks]) or generate(policy, *a, **k))
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--skip-full", "--skip-embedded",
+                       "--skip-fused", "--prompts", "1", "--group-size", "2", "--train-rows", "", "--rollout-compile",
+                       "--compile-backend", "aot_eager", "--out", str(tmp_path / "r.json")])
+    assert result["errors"] == {} and result["rollout_compiled"]["images_per_s"] > 0
+    assert result["rollout_compiled"]["vs_pipeline"] > 0
+    assert not any(compiled[0]) and all(compiled[-1])  # eager rows first, then every block compiled
+
+
 @pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s
 def test_set_overrides_train_another_algorithm(gpu, tmp_path):
     """--set reaches every section's config: AWM's rows train on ODE samples with its loss."""
