@@ -42,7 +42,9 @@ def compile_blocks(transformer: nn.Module, backend: str) -> list[nn.Module]:
     trained images/s against 3.71 eager (docs/gpu.md, run 12). Returns the compiled blocks."""
     import torch._dynamo
 
-    blocks = [block for child in transformer.children() if isinstance(child, nn.ModuleList) for block in child]
+    blocks = list(_blocks(transformer))
+    if not blocks:
+        raise ValueError(f"{type(transformer).__name__} has no block list to compile")
     # The blocks share one compiled forward per variant (SD3.5's dual-attention and last blocks, with
     # and without grad, adapters on and off for the KL term): past dynamo's default of 8 the rest fell
     # back to eager on the H200
@@ -50,6 +52,16 @@ def compile_blocks(transformer: nn.Module, backend: str) -> list[nn.Module]:
     for block in blocks:
         block.compile(backend=backend)
     return blocks
+
+
+def _blocks(module: nn.Module) -> Iterator[nn.Module]:
+    """The entries of the block lists (nn.ModuleList) under `module`, not looking inside a block: a
+    transformer's, or each expert's of a two-expert model (Wan2.2 A14B's wrapper holds transformers)."""
+    for child in module.children():
+        if isinstance(child, nn.ModuleList):
+            yield from child
+        else:
+            yield from _blocks(child)
 
 
 def step_unheld(step: Callable, held: int, v: Tensor, x: Tensor, *args, **kwargs):

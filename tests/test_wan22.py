@@ -213,3 +213,20 @@ def test_training_one_expert_on_a_window_that_spans_both(twins, micro_batch_size
     after = policy.trainable_state()
     changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k]) and "lora_B" in k}
     assert changed == {"transformer_2"}
+
+
+def test_compile_finds_both_experts_blocks(twins):
+    """trainer.compile / rollout.compile on A14B's layout: the wrapper holds two transformers, and
+    each one's blocks are compiled (nn.Module.compile compiles lazily: nothing runs here)."""
+    from async_flowgrpo.models import load_adapter
+    from async_flowgrpo.policy import compile_blocks
+
+    adapter = load_adapter(twins["wan22_a14b"], device="cpu", dtype=torch.float32)
+    experts = list(adapter.transformer.children())
+    expected = [block for expert in experts for block in expert.blocks]
+    assert len(experts) == 2 and expected
+    compiled = compile_blocks(adapter.transformer, "aot_eager")
+    assert [id(b) for b in compiled] == [id(b) for b in expected]
+    assert all(b._compiled_call_impl is not None for b in compiled)
+    with pytest.raises(ValueError, match="no block list"):
+        compile_blocks(torch.nn.Linear(2, 2), "aot_eager")
