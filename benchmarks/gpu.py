@@ -207,6 +207,10 @@ def parse_args(argv):
                          "'b' = computed in bf16 without autocast, the adapters in bf16 too (a speed bound: "
                          "Adam's updates of bf16 adapters round away), 'k' = the transformer's blocks compiled (FLOPs are counted on the first row: "
                          "put a 'k' row after another)")
+    ap.add_argument("--reward-model", choices=sorted(REWARD_CLIPS),
+                    help="only the reward section: a rollout worker generating while this reward model (PickScore's "
+                         "CLIP ViT-H/14, random weights) scores on the same device, reward.overlap on and off")
+    ap.add_argument("--reward-groups", type=int, default=4, help="groups per timed call of the reward section")
     ap.add_argument("--rollout-compile", action="store_true",
                     help="also time the rollout with its blocks compiled (rollout.compile), after the adapters-off row")
     ap.add_argument("--compile-backend", default="inductor",
@@ -997,6 +1001,93 @@ def embedded_loop(cfg, device: torch.device, steps: int, load_prompts, CombinedR
             "samples_per_s": round(n * len(times) / sum(times), 2), "device": str(learner.policy.device)}
 
 
+# ---------------------------------------------------------------- a reward model beside the rollout
+
+# PickScore's model, CLIP ViT-H/14 (986 M parameters; flow_grpo's SD3.5 reward), and a tiny stand-in for CPU tests
+REWARD_CLIPS = {
+    "clip_h": dict(text=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
+                   vision=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                               image_size=224, patch_size=14), projection_dim=1024),
+    "tiny": dict(text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+                 vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             image_size=24, patch_size=8), projection_dim=16),
+}
+
+
+def reward_clip_dir(name: str, workdir: str, device: torch.device) -> str:
+    """A random CLIPModel of REWARD_CLIPS[name] saved as a local PickScore directory (bf16 weights,
+    a word-level tokenizer, CLIP's image processor at the model's size): the `pickscore` reward's
+    own code loads and runs it."""
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel
+
+    from async_flowgrpo.models.tiny import build_tokenizer
+
+    spec, path = REWARD_CLIPS[name], os.path.join(workdir, f"reward_{name}")
+    tokenizer = build_tokenizer(tuple(sorted({w for p in PROMPTS for w in p.split()})), 77)
+    config = CLIPConfig(text_config=dict(vocab_size=len(tokenizer), max_position_embeddings=77, pad_token_id=0,
+                                         bos_token_id=2, eos_token_id=3, **spec["text"]),
+                        vision_config=spec["vision"], projection_dim=spec["projection_dim"])
+    torch.manual_seed(0)
+    with building(device, torch.bfloat16):  # initialised where it runs: 986 M parameters
+        CLIPModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    size = spec["vision"]["image_size"]
+    CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size}).save_pretrained(path)
+    return path
+
+
+def section_reward(args, shape, device, result, save):
+    """A rollout worker (`RolloutWorker`, as a rollout actor runs it, without Ray) generating groups
+    while PickScore's model (random weights, `--reward-model`) scores them on the same device, with
+    reward.overlap on and off, interleaved: samples/s over --reward-groups groups per call, and the
+    mean seconds a group took to generate and to score."""
+    from async_flowgrpo.builders import build_policy, should_fuse_lora
+    from async_flowgrpo.rewards import CombinedReward
+    from async_flowgrpo.rollout.engine import DiffusersEngine
+    from async_flowgrpo.rollout.worker import RolloutWorker
+
+    clip = reward_clip_dir(args.reward_model, os.path.dirname(args.validation_dir), device)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    options = f"reward.options={{pickscore: {{path: {clip}, device: {device}, dtype: {dtype}, preprocess: torch}}}}"
+    cfg = bench_config(args, shape, args.validation_dir, "reward.weights={pickscore: 1.0}", options)
+    policy = build_policy(cfg, adapter=make_adapter(shape, device, torch.bfloat16), device=device)
+    if should_fuse_lora(cfg, policy.autocast_dtype is not None):
+        policy.fuse_lora()  # as a rollout actor on a GPU
+    engine = DiffusersEngine(policy, update_point="between_groups")
+    reward = CombinedReward(cfg.reward.weights, cfg.reward.options)
+    n, tickets = args.reward_groups, iter(range(10**6))
+    out = result["reward_overlap"] = {"reward_model": args.reward_model, "groups_per_call": n,
+                                      "group_size": args.group_size, "samples_per_s": {"on": [], "off": []}}
+
+    def call(overlap: bool) -> float:
+        cfg.reward.overlap = overlap
+        worker = RolloutWorker(cfg, engine=engine, reward=reward)
+        sync(device)
+        t0 = time.perf_counter()
+        groups = worker.generate([next(tickets) for _ in range(n)])
+        sync(device)
+        secs = time.perf_counter() - t0
+        if any(g is None for g in groups):
+            raise RuntimeError(f"reward failures: {worker.stats().get('rewards/errors')}")
+        return n * args.group_size / secs
+
+    call(True)  # warm-up: the reward model loads on its first call
+    for _ in range(args.repeats):
+        for overlap in (True, False):
+            out["samples_per_s"]["on" if overlap else "off"].append(round(call(overlap), 3))
+            save()
+    images = torch.randint(0, 256, (args.group_size, shape["resolution"], shape["resolution"], 3), dtype=torch.uint8)
+    prompt = [PROMPTS[0]] * args.group_size
+    out["reward_s_per_group"] = round(min(timed(lambda: reward(images, prompt, [{}] * args.group_size), device, 2)), 3)
+    out["generate_s_per_group"] = round(min(timed(lambda: engine.generate(
+        [PROMPTS[0]], args.group_size, seed=0, **rollout_sampling(cfg.rollout)), device, 2)), 3)
+    on, off = (sum(v) / len(v) for v in out["samples_per_s"].values())
+    out["overlap_speedup"] = round(on / off, 3)
+    log(f"rollout worker with {args.reward_model} on {device}: {on:.3f} samples/s with reward.overlap, {off:.3f} without "
+        f"({out['overlap_speedup']}x); a group generates in {out['generate_s_per_group']} s, scores in {out['reward_s_per_group']} s")
+    save()
+
+
 # ---------------------------------------------------------------- main
 
 def device_info(device: torch.device) -> dict:
@@ -1037,6 +1128,8 @@ def main(argv=None) -> dict:
         sections.append(("full", lambda: section_full(args, shape, device, peaks, result, save)))
     if not (args.skip_embedded or args.autocast_ab or args.train_only):
         sections.append(("embedded", lambda: section_embedded(args, device, result, save)))
+    if args.reward_model:
+        sections = [("reward", lambda: section_reward(args, shape, device, result, save))]
     with tempfile.TemporaryDirectory(prefix="gpu_bench_") as workdir:
         args.validation_dir = validation_model(shape, workdir)
         args.prompt_file = source_prompts(shape, workdir, args.prompts)

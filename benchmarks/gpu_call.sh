@@ -36,6 +36,9 @@ run qwen_edit 200 --shape qwen_image_edit --skip-full --skip-embedded --skip-fus
 run kontext_fused 200 --shape flux_kontext --skip-full --skip-embedded --prompts 1 --group-size 2 --repeats 1 --train-rows ""
 run sd35_compile 150 --shape sd35_medium --train-only --train-rows 16k --repeats 2 --profile
 run sd35_rollout_compile 150 --shape sd35_medium --skip-full --skip-embedded --skip-fused --repeats 2 --train-rows "" --rollout-compile
+# a reward model on the rollout's GPU: PickScore's CLIP ViT-H/14 (random weights) scoring a rollout worker's groups,
+# reward.overlap on and off (the worker as a rollout actor runs it, without Ray, which does not fit in a call's upload)
+run sd35_reward 200 --shape sd35_medium --prompts 1 --group-size 8 --repeats 2 --reward-model clip_h --reward-groups 4
 run wan22_i2v_a14b 220 --shape wan22_i2v_a14b --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 run wan22_a14b_train 150 --shape wan22_a14b --train-only --prompts 1 --group-size 2 --frames 17 --repeats 1 --train-rows 1c
 echo "== total $(( $(date +%s) - START ))s" >> "$OUT/log.txt"

@@ -173,6 +173,7 @@ def test_full_fine_tuning_keeps_fp32_master_weights_when_the_model_is_bf16(tmp_p
 def test_plain_classes_import_without_ray():
     code = ("import sys; sys.modules['ray'] = None; sys.modules['wandb'] = None\n"
             "import async_flowgrpo.sync, async_flowgrpo.builders, async_flowgrpo.algorithms, async_flowgrpo.policy\n"
+            "import async_flowgrpo.rollout.worker\n"
             "async_flowgrpo.sync.make_transport('collective').sender()\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -269,6 +270,19 @@ def test_rollout_compile_times_the_rollout_with_its_blocks_compiled(gpu, tmp_pat
     assert result["errors"] == {} and result["rollout_compiled"]["images_per_s"] > 0
     assert result["rollout_compiled"]["vs_pipeline"] > 0
     assert not any(compiled[0]) and all(compiled[-1])  # eager rows first, then every block compiled
+
+
+@pytest.mark.slow  # a rollout worker and a tiny reward model: about 20 s
+def test_reward_section_times_a_worker_with_its_reward_model_overlapped_and_not(gpu, tmp_path):
+    """--reward-model: PickScore's code scores the worker's groups (a random CLIP saved as a local
+    PickScore directory), with reward.overlap on and off, interleaved."""
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "2", "--prompts", "1", "--group-size", "2",
+                       "--reward-model", "tiny", "--reward-groups", "2", "--out", str(tmp_path / "reward.json")])
+    assert result["errors"] == {} and "rollout" not in result  # that section alone
+    r = result["reward_overlap"]
+    assert len(r["samples_per_s"]["on"]) == len(r["samples_per_s"]["off"]) == 2
+    assert all(v > 0 for v in r["samples_per_s"]["on"] + r["samples_per_s"]["off"])
+    assert r["reward_s_per_group"] > 0 and r["generate_s_per_group"] > 0 and r["overlap_speedup"] > 0
 
 
 @pytest.mark.slow  # the benchmark run whole on a tiny twin: 5-15 s

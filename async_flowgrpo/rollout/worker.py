@@ -32,7 +32,6 @@ from async_flowgrpo.metrics import BusyTracker
 from async_flowgrpo.prompts import PromptStream, load_prompts
 from async_flowgrpo.rewards import CombinedReward, RewardError
 from async_flowgrpo.rollout.scoring import Scorer
-from async_flowgrpo.rollout.stream import chain, stream_groups
 from async_flowgrpo.sampling import rollout_sampling
 from async_flowgrpo.types import Group, GroupRecord
 
@@ -131,6 +130,7 @@ class RolloutWorker:
         """fully_async: stream groups into the queue actor (`stream_groups`), each once it is
         scored. `store` puts a group where trainers can fetch it and returns its record: only the
         record goes through the queue."""
+        from async_flowgrpo.rollout.stream import chain, stream_groups  # (Ray's protocol: the batch modes need no Ray)
 
         def make_record(ticket: int) -> Future:
             return chain(self.start_group(ticket), lambda group: None if group is None or self._resample(group) else store(group))
