@@ -361,7 +361,7 @@ class DiffusionPolicy:
                 if start <= i < end:
                     if i == start:
                         recorded.append(x)
-                    eps = torch.randn(x.shape, generator=gen).to(self.device)
+                    eps = torch.randn(x.shape, generator=gen).to(self.device, non_blocking=True)  # (as the sigma in velocity)
                     x, log_prob, _, _ = step_unheld(
                         algo.sde_step, held, v, x, sigmas[i], sigmas[i + 1], noise_level=noise_level,
                         sde_type=sde_type, noise=eps,

@@ -224,7 +224,9 @@ class FamilyAdapter(TransformerPlacement):
         x = latents.to(self.device, dt)
         if self.packed:
             x = pack_latents(x)
-        t = sigma.to(self.device, torch.float32).expand(shape[0]) * self.timestep_scale
+        # non_blocking: a host tensor's copy is staged at once, without waiting for the GPU's queue to
+        # drain (a blocking copy per denoising step left the GPU idle while the next step's kernels launched)
+        t = sigma.to(self.device, torch.float32, non_blocking=True).expand(shape[0]) * self.timestep_scale
 
         def forward(x, t, embeds, pooled):
             return self._forward(transformer, x, t, embeds.to(self.device, dt), pooled, shape=shape,
