@@ -1,10 +1,11 @@
 """The image-conditioned families' denoising steps call the transformer as their diffusers pipelines
 do, on tiny random twins: what made the rollout slower than the pipeline at equal FLOPs on an H200.
 
-- Qwen-Image-Edit: no attention mask when every text token of a call is valid. A CFG batch joins a
-  negative prompt shorter than the instruction; masked as one batch, every row's attention left
-  SDPA's fastest kernels (the pipeline calls its halves apart, each unmasked). The rows now run in
-  runs of one text length, each trimmed and unmasked, and compute what the masked batch computed.
+- Qwen-Image and Qwen-Image-Edit: no attention mask when every text token of a call is valid. A CFG
+  batch joins a negative prompt shorter than the prompt; masked as one batch, every row's attention
+  left SDPA's fastest kernels (the pipeline calls its halves apart, each unmasked). The rows now run
+  in runs of one text length, each trimmed and unmasked, and compute what the masked batch computed;
+  a batch of many text lengths keeps one masked call.
 - FLUX.1 Kontext: the position ids are built once, not every step (each build copied host tensors
   to the device, a stream synchronisation per step on a GPU)."""
 
@@ -96,11 +97,11 @@ def test_qwen_image_edit_runs_compute_what_the_masked_batch_computed(qwen_edit):
     torch.testing.assert_close(runs, masked, atol=2e-6, rtol=1e-5)
 
 
-def test_qwen_image_edit_rows_with_holes_in_their_mask_stay_masked(qwen_edit, monkeypatch):
+def test_qwen_image_edit_a_batch_with_a_hole_in_a_mask_keeps_one_masked_call(qwen_edit, monkeypatch):
     adapter = qwen_edit.adapter
     enc = qwen_edit._encode(PROMPTS[:1], SOURCES[:1], cfg=False)
     pooled = enc.pooled.repeat(2, 1)
-    pooled[1, 3] = 0.0  # a hole (no encoder makes one): that row keeps the masked call
+    pooled[1, 3] = 0.0  # a hole (no encoder makes one): the batch keeps one masked call
     shape = (2, *adapter.latent_shape(32, 32))
     x = pack_latents(torch.randn(shape, generator=torch.Generator().manual_seed(1)))
     calls = _recording(monkeypatch, adapter.transformer, ("encoder_hidden_states_mask",))
@@ -108,7 +109,52 @@ def test_qwen_image_edit_rows_with_holes_in_their_mask_stay_masked(qwen_edit, mo
         adapter._forward(adapter.transformer, x, torch.full((2,), 0.5), enc.embeds.repeat(2, 1, 1), pooled,
                          shape=torch.Size(shape), guidance_scale=1.0)
     masks = [c["encoder_hidden_states_mask"] for c in calls]
-    assert masks[0] is None and masks[1] is not None and not bool(masks[1][0, 3])
+    assert len(masks) == 1 and masks[0] is not None and not bool(masks[0][1, 3]) and bool(masks[0][0, 3])
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from async_flowgrpo.models.tiny_qwen_image import make_tiny_qwen_image_dir
+
+    return DiffusionPolicy(make_tiny_qwen_image_dir(str(tmp_path_factory.mktemp("qwen")), vocab=VOCAB), lora_rank=4,
+                           lora_alpha=8)
+
+
+def test_qwen_image_calls_each_cfg_half_unmasked_as_the_masked_batch_computed(qwen, monkeypatch):
+    adapter = qwen.adapter
+    enc = qwen._encode(PROMPTS, [{}, {}], cfg=True)
+    embeds = torch.cat([enc.negative_embeds, enc.embeds]).repeat_interleave(2, 0)
+    mask = torch.cat([enc.negative_pooled, enc.pooled]).repeat_interleave(2, 0)
+    shape = (8, *adapter.latent_shape(32, 32))
+    gen = torch.Generator().manual_seed(0)
+    x, t = pack_latents(torch.randn(shape, generator=gen)), torch.rand(8, generator=gen)
+    calls = _recording(monkeypatch, adapter.transformer, ("encoder_hidden_states_mask", "hidden_states"))
+    with torch.no_grad():
+        runs = adapter._forward(adapter.transformer, x, t, embeds, mask, shape=torch.Size(shape), guidance_scale=4.0)
+        text, text_mask = adapter._text(embeds, mask)
+        masked = adapter.transformer.forward(hidden_states=x, timestep=t, encoder_hidden_states=text,
+                                             encoder_hidden_states_mask=text_mask, return_dict=False,
+                                             img_shapes=[[(1, shape[-2] // 2, shape[-1] // 2)]] * 8)[0]
+    assert text_mask is not None and [c["encoder_hidden_states_mask"] for c in calls[:3]] == [None] * 3
+    assert [c["hidden_states"].shape[0] for c in calls[:3]] == [4, 2, 2]  # the negatives, then each prompt's rows
+    torch.testing.assert_close(runs, masked, atol=2e-6, rtol=1e-5)
+
+
+def test_qwen_image_a_batch_of_many_text_lengths_keeps_one_masked_call(qwen, monkeypatch):
+    adapter = qwen.adapter
+    enc = qwen._encode(PROMPTS[:1], [{}], cfg=False)
+    n = adapter.MAX_TEXT_CALLS + 1
+    mask = enc.pooled.repeat(n, 1)
+    length = int(mask[0].sum())
+    for row in range(1, n):  # shorter texts, as prompts of other lengths would be (no holes)
+        mask[row, length - row:] = 0.0
+    shape = (n, *adapter.latent_shape(32, 32))
+    x = pack_latents(torch.randn(shape, generator=torch.Generator().manual_seed(2)))
+    calls = _recording(monkeypatch, adapter.transformer, ("encoder_hidden_states_mask",))
+    with torch.no_grad():
+        adapter._forward(adapter.transformer, x, torch.full((n,), 0.5), enc.embeds.repeat(n, 1, 1), mask,
+                         shape=torch.Size(shape), guidance_scale=1.0)
+    assert len(calls) == 1 and calls[0]["encoder_hidden_states_mask"] is not None
 
 
 @pytest.fixture(scope="module")

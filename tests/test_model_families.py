@@ -173,7 +173,7 @@ def test_uncond_grad_false_keeps_the_forward_and_drops_the_unconditional_gradien
     hook = adapter.transformer.register_forward_hook(lambda *_: grad_enabled.append(torch.is_grad_enabled()))
     try:
         v_both, g_both = grads()
-        assert grad_enabled == [True]  # one batch [uncond; cond]
+        assert grad_enabled in ([True], [True, True])  # one batch [uncond; cond] (Qwen-Image: a call per text length)
         grad_enabled.clear()
         v_cond, g_cond = grads(uncond_grad=False)
         # the unconditional half on its own without a graph: backward covers the conditional half only

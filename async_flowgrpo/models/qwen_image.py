@@ -38,6 +38,7 @@ class QwenImageAdapter(FamilyAdapter):
     default_max_sequence_length = 512  # the pipeline's default
     default_negative_prompt = " "
     packed = True
+    MAX_TEXT_CALLS = 4  # transformer calls a batch is split into by text length (_text_runs); more: one masked call
 
     def _configure(self, settings: dict) -> None:
         if "prompt_template_encode_start_idx" in settings:  # tokens of the template's prefix (34 for Qwen2.5-VL)
@@ -81,18 +82,45 @@ class QwenImageAdapter(FamilyAdapter):
         mask = mask[:, :length]
         return embeds[:, :length], None if bool(mask.all()) else mask
 
+    def _text_runs(self, embeds: Tensor, mask: Tensor, read: Tensor | None = None
+                   ) -> tuple[list[tuple[slice, Tensor, Tensor | None]], list]:
+        """The batch as transformer calls: (rows, their text, its mask). A CFG batch (the negative
+        prompt, shorter, beside a group's prompt) goes as the pipeline calls it, a call per half, each
+        trimmed to its text and unmasked (`encode_prompt` drops an all-ones mask): a mask in the call
+        takes SDPA off its fastest kernels for every row, and attention is a quarter of the edit
+        model's FLOPs. Masked padding keys change no valid token (the text's RoPE positions are its
+        indices), so the calls compute what the masked batch does. Past MAX_TEXT_CALLS runs of one
+        text length (a trainer's micro-batch or an evaluation's chunk of many prompts: many small
+        calls would cost more than the mask), or with rows whose mask has holes (`_padded` makes
+        none), the batch keeps one masked call; padding kept for sequence parallelism
+        (`token_multiple`) stays masked.
+        `read`: values the caller needs on the host, read with the lengths (one host read a call)."""
+        valid = mask.to(self.device) > 0.5
+        b, length = valid.shape
+        ends = torch.where(valid, torch.arange(1, length + 1, device=valid.device), 0).amax(1)
+        extra = [] if read is None else [read.to(self.device).long()]
+        host = torch.cat([*extra, ends, valid.sum(1)]).tolist()
+        read_back, host = host[: len(host) - 2 * b], host[len(host) - 2 * b:]
+        keys = [end if end == count and end > 0 else -1 for end, count in zip(host[:b], host[b:])]
+        cuts = [row for row in range(1, b) if keys[row] != keys[row - 1]]
+        if len(cuts) >= self.MAX_TEXT_CALLS or -1 in keys:
+            return [(slice(None), *self._text(embeds, mask))], read_back
+        runs = []
+        for start, stop in zip([0, *cuts], [*cuts, b]):
+            rows = slice(start, stop) if cuts else slice(None)
+            keep = min(-(-keys[start] // self.token_multiple) * self.token_multiple, length)
+            runs.append((rows, embeds[rows][:, :keep], None if keep == keys[start] else valid[rows][:, :keep]))
+        return runs, read_back
+
     def _forward(self, transformer, x, t, embeds, mask, *, shape, guidance_scale):
-        """`mask` (the pooled slot): the text mask, see the module docstring."""
+        """`mask` (the pooled slot): the text mask, see the module docstring; the calls `_text_runs` makes."""
         h, w = shape[-2:]
-        embeds, mask = self._text(embeds, mask)
-        return transformer(
-            hidden_states=x,
-            timestep=t,
-            encoder_hidden_states=embeds,
-            encoder_hidden_states_mask=mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * x.shape[0],
-            return_dict=False,
-        )[0]
+        runs, _ = self._text_runs(embeds, mask)
+        outs = [transformer(hidden_states=x[rows], timestep=t[rows], encoder_hidden_states=text,
+                            encoder_hidden_states_mask=text_mask, img_shapes=[[(1, h // 2, w // 2)]] * x[rows].shape[0],
+                            return_dict=False)[0]
+                for rows, text, text_mask in runs]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _after_cfg(self, v: Tensor, v_cond: Tensor) -> Tensor:
         return v * (v_cond.norm(dim=-1, keepdim=True) / v.norm(dim=-1, keepdim=True))

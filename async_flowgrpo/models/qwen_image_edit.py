@@ -166,45 +166,21 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return PromptEmbeds(*(torch.cat(parts) for parts in zip(*rows)))
 
     def _forward(self, transformer, x, t, embeds, pooled, *, shape, guidance_scale):
-        """The rows in runs of consecutive rows of one text length, each run's text trimmed to it and
-        passed without a mask, as the pipeline calls its halves (`encode_prompt` drops an all-ones
-        mask; its cond and uncond branches are separate calls). A mask in the call (a CFG batch's
-        shorter negative prompt, or prompts of different lengths) takes SDPA off its fastest kernels
-        for every row, and the edit model's attention is about a quarter of its FLOPs (1,024 noisy,
-        4,096 image and ~1,400 text tokens). Masked padding keys change no valid token (the text's
-        RoPE positions are its indices), so a run computes what the masked batch computes. Rows
-        whose mask has holes (never made by `_padded`) and padding kept for sequence parallelism
-        (`token_multiple`) still go masked."""
+        """Qwen-Image's calls (`_text_runs`), the input images' tokens joined after the noisy ones."""
         (h, w), length = shape[-2:], self.max_sequence_length
         pooled = pooled.to(self.device)
-        valid = pooled[:, :length] > 0.5
-        ends = torch.where(valid, torch.arange(1, length + 1, device=valid.device), 0).amax(1)
-        # one host read per call (image size, each row's last valid token and valid count)
-        host = torch.cat([pooled[0, length:length + 2].round().long(), ends, valid.sum(1)]).tolist()
-        image_h, image_w, b = host[0], host[1], x.shape[0]
-        keys = [end if end == count and end > 0 else -1 for end, count in zip(host[2:2 + b], host[2 + b:])]
-        runs, start = [], 0
-        for row in range(1, b + 1):
-            if row == b or keys[row] != keys[start]:
-                runs.append((start, row, keys[start]))
-                start = row
+        runs, (image_h, image_w) = self._text_runs(embeds, pooled[:, :length], read=pooled[0, length:length + 2].round())
         image = [(1, image_h // 2, image_w // 2)]
         outs = []
-        for a, z, end in runs:
-            rows = slice(a, z) if len(runs) > 1 else slice(None)
-            xs, ps = x[rows], pooled[rows]
-            tokens = ps[:, length + 2:].reshape(xs.shape[0], -1, xs.shape[-1]).to(self.dtype)
+        for rows, text, text_mask in runs:
+            xs = x[rows]
+            tokens = pooled[rows, length + 2:].reshape(xs.shape[0], -1, xs.shape[-1]).to(self.dtype)
             count = tokens.shape[1] // ((image_h // 2) * (image_w // 2))
-            if end < 0:  # holes in a mask: the masked call, as Qwen-Image's
-                text, mask = self._text(embeds[rows], ps[:, :length])
-            else:
-                keep = min(-(-end // self.token_multiple) * self.token_multiple, length)
-                text, mask = embeds[rows][:, :keep], None if keep == end else valid[rows][:, :keep]
             out = transformer(
                 hidden_states=torch.cat([xs, tokens], 1),
                 timestep=t[rows],
                 encoder_hidden_states=text,
-                encoder_hidden_states_mask=mask,
+                encoder_hidden_states_mask=text_mask,
                 img_shapes=[[(1, h // 2, w // 2)] + image * count] * xs.shape[0],
                 return_dict=False,
             )[0]
