@@ -5,8 +5,9 @@ What a user runs is what is measured: each seed is `python launch/<mode>.py [FIL
 trainer.seed=S rollout.seed=S` as a subprocess, with the launcher's own held-out evaluation. A run
 keeps its metrics.jsonl, config.yaml, the command, its wall time and its first and last evaluation
 grids under benchmarks/results/seed_runs/<name>/seed<S>/ (checkpoints and rollout grids are
-deleted). A seed whose run finished is skipped, so an interrupted sweep continues where it stopped,
-and two invocations with different --seeds can run side by side into the same <name>.
+deleted). A seed whose run finished is skipped, and one that was cut off (a signal, a session's end)
+continues from its last checkpoint with the same command, so a sweep spans sessions; two
+invocations with different --seeds can run side by side into the same <name>.
 
     python benchmarks/seed_runs.py run recipe --seeds 0,1,2,3,4                 # the defaults
     python benchmarks/seed_runs.py run nft --seeds 0,1 config/diffusion_nft.yaml
@@ -87,19 +88,56 @@ def weight_average_on(run_dir: str) -> bool:
     return OmegaConf.load(os.path.join(run_dir, "config.yaml")).trainer.ema_decay > 0
 
 
+LAUNCH = "launch.json"  # a started run's command (but the interpreter) and the seconds it ran, for continuing it
+
+
+def write_launch(out: str, full: list[str], wall_s: float, started: float | None) -> None:
+    """The run's command and its seconds so far; `started` (perf_counter) while it runs: a run cut
+    off counts up to its metrics' last write."""
+    with open(os.path.join(out, LAUNCH), "w") as f:
+        json.dump({"command": shlex.join(full[1:]), "wall_s": round(wall_s, 1), "running_since": started is not None,
+                   "started_unix": time.time() if started is not None else None}, f)
+
+
+def resumable_wall(out: str, full: list[str]) -> float | None:
+    """The seconds an unfinished run of the same command ran before, when it left a checkpoint to
+    continue from (None: start again). A run cut off mid-segment counts to its metrics' last write."""
+    try:
+        launch = json.load(open(os.path.join(out, LAUNCH)))
+    except (OSError, ValueError):
+        return None
+    if launch.get("command") != shlex.join(full[1:]) or not os.path.exists(os.path.join(out, "checkpoints", "latest")):
+        return None
+    wall = float(launch.get("wall_s", 0.0))
+    if launch.get("running_since") and launch.get("started_unix"):
+        metrics = os.path.join(out, "metrics.jsonl")
+        last_write = os.path.getmtime(metrics) if os.path.exists(metrics) else launch["started_unix"]
+        wall += max(0.0, last_write - launch["started_unix"])
+    return max(wall, 1e-3)  # (> 0: a run that continues)
+
+
 def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[float], final_samples: int = 0) -> None:
     out = os.path.join(ROOT, name, f"seed{seed}")
     if finished(out):
         log(f"{name} seed {seed}: done before, skipped")
         return
-    shutil.rmtree(out, ignore_errors=True)  # an interrupted run starts again
     cmd = [sys.executable, os.path.join("launch", f"{mode}.py"), *args, f"trainer.seed={seed}", f"rollout.seed={seed}"]
     full = [*cmd, f"trainer.output_dir={out}", "logging.progress=false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled"}
-    log(f"{name} seed {seed}: {shlex.join(full)}")
+    wall_before = resumable_wall(out, full)
+    if wall_before is None:  # nothing to continue: start again
+        shutil.rmtree(out, ignore_errors=True)
+        wall_before = 0.0
+    else:  # the same command stopped (a signal, the session's end): its last checkpoint continues
+        log(f"{name} seed {seed}: continuing from its last checkpoint ({wall_before:.0f} s run before)")
+    os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(full, cwd=REPO, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
+    write_launch(out, full, wall_before, t0)
+    log(f"{name} seed {seed}: {shlex.join(full)}")
+    proc = subprocess.run([*full, *(["trainer.resume=latest"] if wall_before else [])], cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    wall = wall_before + time.perf_counter() - t0
+    write_launch(out, full, wall, None)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
@@ -116,6 +154,7 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
                    "mode": mode, "wall_s": round(wall, 1), "final_eval_accuracy_at_cfg": final_at,
                    "final_eval_accuracy_live": final_live, "final_eval_large": final_large,
                    "last_line": proc.stdout.strip().splitlines()[-1:]}, f, indent=1)
+    os.remove(os.path.join(out, LAUNCH))  # (run.json holds the command and the time)
     log(f"{name} seed {seed}: {wall:.0f} s")
 
 

@@ -150,3 +150,29 @@ def test_seed_runs_paired_differences_the_last_evaluations_on_common_seeds(sweep
     x = seed_runs.paired(a, b)
     assert x["seeds"] == [1, 2] and x["per_seed"] == [0.04, 0.01] and x["worst"] == 0.01
     assert x["mean"] == pytest.approx(0.025) and x["se"] == pytest.approx(0.015)
+
+
+def test_seed_runs_continue_a_cut_off_run_of_the_same_command_from_its_checkpoint(sweep, monkeypatch):
+    """A seed whose launcher was stopped (a signal, a session's end) continues with
+    trainer.resume=latest, its time counted on; another command, or no checkpoint, starts again."""
+    seed_runs = sweep.seed_runs
+    launched = []
+
+    def launcher(cmd, **kwargs):  # stopped after its first checkpoint, as SIGTERM leaves a run
+        launched.append(cmd)
+        out = next(a.split("=", 1)[1] for a in cmd if a.startswith("trainer.output_dir="))
+        os.makedirs(os.path.join(out, "checkpoints", "latest"), exist_ok=True)
+        return type("Proc", (), {"returncode": 143, "stderr": "stopped at step 50; resume with: ...", "stdout": ""})()
+
+    monkeypatch.setattr(seed_runs.subprocess, "run", launcher)
+    args = ["config/shapes_edit.yaml", "rollout.groups_per_step=8"]
+    for _ in range(2):
+        with pytest.raises(SystemExit, match="exit 143"):
+            seed_runs.run_seed("cut", 20, "fully_async", args, [])
+    assert "trainer.resume=latest" not in launched[0] and launched[1][-1] == "trainer.resume=latest"
+    assert launched[1][:-1] == launched[0]
+    out = os.path.join(seed_runs.ROOT, "cut", "seed20")
+    assert json.load(open(os.path.join(out, seed_runs.LAUNCH)))["wall_s"] >= 0
+    with pytest.raises(SystemExit):  # another command: its directory starts again
+        seed_runs.run_seed("cut", 20, "fully_async", [*args, "trainer.lr=1e-3"], [])
+    assert "trainer.resume=latest" not in launched[2]
