@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from async_flowgrpo.config import ConfigError, load_config
-from async_flowgrpo.rollout import worker as worker_module
+from async_flowgrpo.rollout import stream as stream_module
 from async_flowgrpo.rollout.worker import RolloutWorker
 
 
@@ -57,7 +57,7 @@ def test_the_fully_async_loop_hands_in_no_record_for_a_flat_group(monkeypatch):
         made.update({t: make_record(t).result(timeout=5) for t in groups})
 
     monkeypatch.setattr(w, "start_group", start_group)
-    monkeypatch.setattr(worker_module, "stream_groups", stream_groups)
+    monkeypatch.setattr(stream_module, "stream_groups", stream_groups)  # (the worker imports it when it streams)
     w.run(queue=None, store=lambda group: ("record", group), poll_s=0.1)
     assert made == {0: None, 1: ("record", groups[1]), 2: None}
 
