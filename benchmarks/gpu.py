@@ -31,6 +31,10 @@ Measured, in this order:
 6. the embedded default (the shapes model, its config) in one process, sync update, on this
    device and on its CPU: samples/s.
 
+Alone, with `--reward-model`: a rollout worker generating while PickScore's CLIP ViT-H/14 (random
+weights) scores its groups on the same device, `reward.overlap` on and off (`section_reward`).
+`--rollout-compile` adds the rollout with its blocks compiled to section 2.
+
 FLOPs are counted by torch's FlopCounterMode over one call (matmuls, attention, convolutions),
 model FLOPs only: with gradient checkpointing off; a rollout's or pipeline's counted call is its
 warm-up. Each section's result, or its error, is
@@ -42,6 +46,7 @@ written to the JSON as soon as it is known, so a failure loses nothing measured 
     python benchmarks/gpu.py --shape flux_kontext --skip-full --skip-embedded --skip-fused --prompts 1 --group-size 2 --repeats 1 --train-rows 1c
     CUDA_LAUNCH_BLOCKING=1 python benchmarks/gpu.py --shape flux_dev --train-only --train-rows 4c,4,8   # trainer rows alone
     python benchmarks/gpu.py --shape tiny --device cpu --repeats 1 --skip-embedded   # the same code, tiny (tests)
+    python benchmarks/gpu.py --prompts 1 --group-size 8 --repeats 2 --reward-model clip_h --reward-groups 4   # a reward model beside
 
 Writes benchmarks/results/gpu/<shape>_<device name>.json (or --out).
 """
@@ -1040,7 +1045,7 @@ def section_reward(args, shape, device, result, save):
     """A rollout worker (`RolloutWorker`, as a rollout actor runs it, without Ray) generating groups
     while PickScore's model (random weights, `--reward-model`) scores them on the same device, with
     reward.overlap on and off, interleaved: samples/s over --reward-groups groups per call, and the
-    mean seconds a group took to generate and to score."""
+    seconds a group takes to generate and to score alone (the faster of two calls each)."""
     from async_flowgrpo.builders import build_policy, should_fuse_lora
     from async_flowgrpo.rewards import CombinedReward
     from async_flowgrpo.rollout.engine import DiffusersEngine
