@@ -585,8 +585,9 @@ class Run:
             # checkpoint now would label it wrongly): nothing is saved. Either the signal reached Ray's
             # processes too (sent to every process of the run), or the call was slow, or an actor raised.
             stop = StopRequested(self.stop.signum, force=True)
-            if self._ray_gone(exc):
-                self._lose_ray(exc)
+            gone = self._ray_gone(exc)
+            if gone:
+                self._lose_ray(exc, gone)
             else:
                 why_unsaved = self._why_not_saved(exc)
         try:
@@ -653,8 +654,9 @@ class Run:
                     return None
                 if not isinstance(e, ray.exceptions.RayError):
                     raise
-                if self._ray_gone(e):  # the trainers went with the signal
-                    self._lose_ray(e)
+                gone = self._ray_gone(e)
+                if gone:  # the trainers went with the signal
+                    self._lose_ray(e, gone)
                     return None
                 left = self.stop.time_left()
                 if not isinstance(e, ray.exceptions.GetTimeoutError) or not left:
@@ -683,12 +685,12 @@ class Run:
             return None
         return type(error).__name__ if isinstance(error, RAY_DEATHS) else None
 
-    def _lose_ray(self, error: BaseException) -> None:
+    def _lose_ray(self, error: BaseException, gone: str) -> None:
         """After a signal, `error` showed Ray's processes gone: say what (the stop line says only that
         the signal stopped them too), then leave without waiting on them."""
         text = str(error).splitlines()[0][:200] if str(error) else ""
         logger.warning("step %d: after the signal, %s%s: Ray's processes taken for gone (%s)", self.step,
-                       type(error).__name__, f" ({text})" if text else "", self._ray_gone(error))
+                       type(error).__name__, f" ({text})" if text else "", gone)
         self.stop.ray_lost = True
 
     def _why_not_saved(self, error: BaseException) -> str:
