@@ -431,6 +431,12 @@ def pipeline_calls(shape: dict, enc, metadata: list[dict] | None, group_size: in
                             image=Image.fromarray(m[SOURCE_IMAGES][0].numpy())) for i, m in enumerate(metadata)]
 
 
+def fp32_latents_at_the_end(pipe, i: int, t, tensors: dict) -> dict:
+    """A pipeline callback: the last step's latents in fp32, for a VAE in fp32 beside a bf16
+    transformer (diffusers' SD3, Flux and Kontext pipelines decode the latents uncast)."""
+    return {"latents": tensors["latents"].float()} if i == len(pipe.scheduler.timesteps) - 1 else {}
+
+
 def pipeline_kwargs(shape: dict, enc, group_size: int, sampling: dict, guidance_scale_2: float | None = None,
                     image=None) -> dict:
     """A plain pipeline call's arguments for the batch our rollout generates: the same
@@ -575,6 +581,8 @@ def section_rollout(args, shape, device, peaks, result, save):
         pipe = WanImageToVideoPipeline(**pipe.components, boundary_ratio=pipe.config.boundary_ratio,
                                        expand_timesteps=pipe.config.expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
+    if device.type == "cpu":  # the adapter keeps the VAE in fp32 there (FamilyAdapter._vae_in_fp32_on_cpu)
+        calls = [dict(call, callback_on_step_end=fp32_latents_at_the_end) for call in calls]
 
     def pipeline_call():
         return [pipe(**call)[0] for call in calls]

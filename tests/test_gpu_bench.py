@@ -31,13 +31,13 @@ def test_tiny_run_fills_every_section(gpu, tmp_path, monkeypatch):
                         torch.backends.cuda.enable_cudnn_sdp(False) or build(*a, **k))
     try:
         result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "1", "--embedded-steps", "1",
-                           "--out", str(out)])
+                           "--prompts", "1", "--group-size", "4", "--out", str(out)])
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
     assert result["errors"] == {}
     assert True in cudnn_attention and False in cudnn_attention  # the timed rollouts; the fused comparison's
     assert json.loads(out.read_text())["shape"] == "tiny"  # saved as it went
-    n = 2 * 8
+    n = 1 * 4
     for key in ("pipeline", "rollout", "train_lora_micro4_checkpointing", "train_lora_micro4", "train_lora_micro16",
                 "train_full"):
         r = result[key]
@@ -181,7 +181,8 @@ def test_plain_classes_import_without_ray():
 
 @pytest.mark.slow  # the LoRA policy timed with and without autocast, interleaved: about 9 s
 def test_autocast_ab_interleaves_both_settings(gpu, tmp_path):
-    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "2", "--autocast-ab", "--out", str(tmp_path / "ab.json")])
+    result = gpu.main(["--shape", "tiny", "--device", "cpu", "--repeats", "2", "--autocast-ab", "--prompts", "1",
+                       "--group-size", "4", "--out", str(tmp_path / "ab.json")])
     ab = result["autocast_ab"]
     assert result["errors"] == {} and set(ab) == {"torch.bfloat16", "None"}
     assert all(len(row["rollout_s"]) == len(row["train_s"]) == 2 for row in ab.values())

@@ -98,6 +98,7 @@ class FamilyAdapter(TransformerPlacement):
                       resolution=settings.get("resolution", 0), negative_prompt=settings.get("negative_prompt"))
         adapter.resolution = adapter.resolution or adapter.default_resolution()
         adapter._configure(settings)
+        adapter._vae_in_fp32_on_cpu()
         return adapter
 
     @classmethod
@@ -111,7 +112,15 @@ class FamilyAdapter(TransformerPlacement):
         """Move and cast the whole pipeline (an adapter built in memory, not loaded)."""
         self.pipeline.to(device, dtype)
         self._placement = None  # look device and dtype up afresh
+        self._vae_in_fp32_on_cpu()
         return self
+
+    def _vae_in_fp32_on_cpu(self) -> None:
+        """On a CPU the VAE computes in fp32 whatever the model's dtype: a CPU without bf16 kernels
+        runs its bf16 convolutions 27x slower (a tiny Wan VAE's decode: 8.5 s against 0.31 s)."""
+        vae = getattr(self.pipeline, "vae", None)
+        if vae is not None and vae.device.type == "cpu" and vae.dtype in (torch.bfloat16, torch.float16):
+            vae.float()
 
     # ---------------------------------------------------------------- modules
 
