@@ -51,7 +51,7 @@ class ModelConfig:
     family: str = "sd3"
     lora_rank: int = 32  # 0 = full fine-tune
     lora_alpha: int = 64
-    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16; a VAE on a CPU stays fp32
     gradient_checkpointing: bool = False
     # two-expert models (Wan2.2 A14B): the experts that train, by pipeline name: transformer (high
     # noise) and/or transformer_2 (low noise); null = all. The others denoise frozen
