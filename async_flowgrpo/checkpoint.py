@@ -350,6 +350,27 @@ def run_dir_used(output_dir: str) -> bool:
     )
 
 
+def make_output_dir(path: str) -> str:
+    """Create `path` (and its parents) for a command to write into; one that cannot be made (a
+    read-only mount, a parent without permission) raises OSError naming it and why."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create or write {path}: {e.strerror}") from None
+    return path
+
+
+def output_dir_arg(path: str) -> str:
+    """argparse `type` for the directory a command writes (a tiny twin, a pretrained base): made at
+    once, so one that cannot be made is a usage error (exit 2) before the work, not a traceback after."""
+    import argparse
+
+    try:
+        return make_output_dir(path)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(e.strerror) from None
+
+
 class RunDirLock:
     """An exclusive flock on ``<output_dir>/.lock``, held for the process's life: a second run into
     the same directory fails at once. The kernel drops the lock when the process dies, so a crashed
@@ -360,8 +381,13 @@ class RunDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> "RunDirLock":
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        output_dir = os.path.dirname(self.path)
+        try:
+            make_output_dir(output_dir)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only mount, a parent without permission, a full disk
+            raise RunDirError(f"trainer.output_dir: cannot create or write {output_dir}: {os.strerror(e.errno)}; "
+                              "choose another trainer.output_dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

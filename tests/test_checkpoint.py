@@ -161,6 +161,13 @@ def test_run_dir_is_used_once_unless_resumed_or_overwritten(tmp_path):
     assert not os.path.exists(os.path.join(out, "metrics.jsonl")) and not os.path.exists(os.path.join(out, "checkpoints"))
 
 
+def test_a_run_dir_that_cannot_be_made_is_a_run_dir_error(tmp_path):
+    """A directory the run cannot create or write (procfs takes no new entries, as a read-only
+    mount or a parent without permission would refuse): one line naming it and why, not a traceback."""
+    with pytest.raises(RunDirError, match=r"trainer.output_dir: cannot create or write /proc/async_flowgrpo_run/out: "):
+        prepare_run_dir("/proc/async_flowgrpo_run/out", None, False)
+
+
 @pytest.mark.slow  # a second process holds the lock: about 4 s
 def test_a_second_run_into_a_locked_dir_is_refused(tmp_path):
     import subprocess
@@ -199,3 +206,17 @@ def test_a_changed_lr_really_reaches_the_restored_optimizer(tiny_model_dir):
     opt.load_state_dict(state["optimizer"])
     assert [g["lr"] for g in opt.param_groups] == [1e-5]
     assert [g["weight_decay"] for g in opt.param_groups] == [0.5]
+
+
+@pytest.mark.parametrize("command", ["async_flowgrpo.models.tiny_wan", "async_flowgrpo.shapes.pretrain",
+                                     "async_flowgrpo.shapes.edit_pretrain"])
+def test_a_model_maker_refuses_an_output_dir_it_cannot_make_before_any_work(command, capsys):
+    """The commands that write a model directory (a tiny twin; the pretraining of a shipped base, which
+    takes minutes) check it first: exit 2 and the reason, not a traceback once the model is made."""
+    import importlib
+
+    argv = ["/proc/async_flowgrpo_run/m"] if command.endswith("tiny_wan") else ["--out", "/proc/async_flowgrpo_run/m"]
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(command).main(argv)
+    assert exit_.value.code == 2
+    assert "cannot create or write /proc/async_flowgrpo_run/m: " in capsys.readouterr().err

@@ -55,6 +55,7 @@ def test_bad_inputs_exit_2_with_one_line_before_ray(tiny_model_dir, prompt_file,
         ([f"rollout.prompts={empty}"], "rollout.prompts: prompt file"),
         ([f"rollout.prompts={tmp_path}"], "is a directory"),
         ([f"trainer.output_dir={a_file}"], "trainer.output_dir"),
+        (["trainer.output_dir=/proc/async_flowgrpo_run"], "trainer.output_dir: cannot create or write"),
     ]
     try:
         import vllm_omni  # noqa: F401

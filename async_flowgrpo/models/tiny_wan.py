@@ -120,9 +120,11 @@ def make_tiny_wan_dir(path: str, variant: str = "wan21", **spec_kw) -> str:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
+    from async_flowgrpo.checkpoint import output_dir_arg
+
     ap = argparse.ArgumentParser(description="Write a tiny random Wan twin (5 frames of 32 x 32) to a "
                                              "directory, for CPU runs: model.family=wan model.path=DIR")
-    ap.add_argument("out", help="directory to write (created)")
+    ap.add_argument("out", type=output_dir_arg, help="directory to write (created)")
     ap.add_argument("--variant", choices=sorted(VARIANTS), default="wan21",
                     help="wan21 (default); wan22_a14b: two experts; wan22_ti2v_5b: per-token timesteps, Wan2.2 VAE; "
                          "wan22_i2v_a14b: two experts, image to video")

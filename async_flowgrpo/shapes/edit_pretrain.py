@@ -30,6 +30,7 @@ import time
 import numpy as np
 import torch
 
+from ..checkpoint import output_dir_arg
 from ..models.common import pack_latents
 from ..models.tiny import save_tiny
 from ..models.tiny_flux import TinyFluxSpec
@@ -115,7 +116,7 @@ def kontext_ids(pipe) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT)
+    ap.add_argument("--out", type=output_dir_arg, default=OUT)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pool", type=int, default=12000)
     ap.add_argument("--steps", type=int, default=6000)

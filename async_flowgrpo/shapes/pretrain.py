@@ -45,6 +45,7 @@ import time
 import numpy as np
 import torch
 
+from ..checkpoint import output_dir_arg
 from ..models.tiny_sd3 import TinySD3Spec, build_tiny_sd3, save_pipeline
 from .reward import shapes_reward
 from .scenes import KINDS, caption_to_spec, render, spec_to_caption, split_prompts, vocabulary
@@ -249,7 +250,7 @@ def train_dit(pipe, mean, std, caps, steps, budget_s, batch, lr, drop, shift, ge
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "assets", "shapes_sd3"))
+    ap.add_argument("--out", type=output_dir_arg, default=os.path.join(os.path.dirname(__file__), "..", "assets", "shapes_sd3"))
     ap.add_argument("--minutes", type=float, default=0.0,
                     help="optional wall-clock cap (stages split 20/75); 0 = fixed steps only (reproducible)")
     ap.add_argument("--seed", type=int, default=0)
