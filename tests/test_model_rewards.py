@@ -320,6 +320,22 @@ def test_remote_unreachable_and_missing_url():
         remote_mod.ocr(_images(1), PROMPTS[:1], [{}])
 
 
+@pytest.mark.parametrize("reward", ["remote", "ocr", "geneval", "remote_video"])
+def test_a_remote_rewards_unusable_request_settings_are_config_errors(reward):
+    """A URL without a scheme, or numbers no request can use, stop the launcher with one line (exit 2)
+    instead of failing every group on the rollout actors until reward.max_consecutive_failures."""
+    from async_flowgrpo.config import ConfigError, load_config
+
+    family = ["model.family=wan"] if reward == "remote_video" else []  # a video reward needs a video model
+    base = [f"reward.weights={{{reward}: 1.0}}", *family]
+    for option, message in [("url=localhost:8000/score", "url must start with http:// or https://, got 'localhost:8000/score'"),
+                            ("timeout_s=0", "timeout_s > 0"), ("retries=-1", "retries >= 0"),
+                            ("max_concurrency=0", "max_concurrency >= 1")]:
+        with pytest.raises(ConfigError, match=f"reward.options.{reward}: .*{message}"):
+            load_config("sync", [*base, f"reward.options.{reward}.{option}"])
+    load_config("sync", [*base, f"reward.options.{reward}.url=http://127.0.0.1:1/score"])  # usable: no error
+
+
 class _KeepAliveServer:
     """An HTTP/1.1 reward server that keeps connections open; records the connections it saw, the
     most requests it held at once, and answers 429 (Retry-After 0) to each connection's first request

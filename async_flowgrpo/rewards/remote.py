@@ -287,9 +287,23 @@ def _scores(url: str, body, n: int, name: str, kind: str) -> dict:
 Protocol = Literal["json", "flow_grpo"]
 
 
+def check_request(options: dict) -> None:
+    """Request settings no call can use (a URL without its scheme, numbers out of range): raised at
+    config time (`rewards.check_options`) and again in each call, where the URL may come from the
+    environment."""
+    url = options.get("url")
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        raise ValueError(f"url must start with http:// or https://, got '{url}'")
+    if (float(options.get("timeout_s", 60.0)) <= 0 or int(options.get("retries", 2)) < 0
+            or float(options.get("backoff_s", 1.0)) < 0 or int(options.get("max_concurrency", 8)) < 1):
+        raise ValueError("need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1")
+
+
 def check_protocol(options: dict) -> None:
-    """Config-time check (`rewards.check_options`): the flow_grpo protocol answers with a pickle,
-    loaded only when the user turned allow_pickle on; its other options need that protocol."""
+    """Config-time check (`rewards.check_options`): the request settings (`check_request`); the
+    flow_grpo protocol answers with a pickle, loaded only when the user turned allow_pickle on; its
+    other options need that protocol."""
+    check_request(options)
     if options.get("protocol", "json") == "flow_grpo":
         if options.get("allow_pickle") is not True:
             raise ValueError("protocol flow_grpo answers with a pickle: set allow_pickle: true to unpickle it "
@@ -323,10 +337,11 @@ def remote_reward(
     url = url or os.environ.get(env)
     if not url:
         raise RemoteRewardError(f"{name}: no URL given: set reward.options.{name}.url or ${env}")
-    if not str(url).startswith(("http://", "https://")):
-        raise RemoteRewardError(f"{name}: url must start with http:// or https://, got '{url}'")
-    if float(timeout_s) <= 0 or int(retries) < 0 or float(backoff_s) < 0 or int(max_concurrency) < 1:
-        raise ValueError(f"{name}: need timeout_s > 0, retries >= 0, backoff_s >= 0, max_concurrency >= 1")
+    try:
+        check_request(dict(url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
+                           max_concurrency=max_concurrency))
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     if protocol not in ("json", "flow_grpo"):
         raise ValueError(f"{name}: protocol must be json or flow_grpo, got {protocol!r}")
     if protocol == "flow_grpo" and allow_pickle is not True:
@@ -394,3 +409,6 @@ def remote_video(videos, prompts, metadata, *, url=None, timeout_s=60.0, retries
         videos, prompts, metadata, url=url, timeout_s=timeout_s, retries=retries, backoff_s=backoff_s,
         headers=headers, name=name, env=ENV_REMOTE_VIDEO, max_concurrency=max_concurrency,
     )
+
+
+remote_video.check_options = check_request
