@@ -146,15 +146,15 @@ def evaluate_policy(policy, cfg: Config, rank: int = 0, world_size: int = 1,
 
 
 def main(argv: list[str]) -> None:
+    from async_flowgrpo import builders
     from async_flowgrpo.config import config_or_exit
-    from async_flowgrpo.builders import build_policy
 
     # --live: a checkpoint's live weights even where the run saved a weight average (trainer.ema_decay),
     # to compare the two on one run
     live = "--live" in argv
     cfg = config_or_exit("fully_async", [a for a in argv if a != "--live"], command="python -m async_flowgrpo.evaluation [--live]")
-    policy = build_policy(cfg)
-    if cfg.trainer.resume:
+    state = None
+    if cfg.trainer.resume:  # read first: a missing or bad checkpoint is one line, before the model loads
         from async_flowgrpo import checkpoint
 
         try:  # safetensors + JSON: a checkpoint file never runs code
@@ -163,6 +163,8 @@ def main(argv: list[str]) -> None:
         except checkpoint.CheckpointError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
+    policy = builders.build_policy(cfg)
+    if state is not None:
         learner = state["learner"]
         average = "ema" in learner and not live  # by default what the run evaluated (trainer.ema_decay)
         policy.load_trainable_state(learner["ema"]["average"] if average else learner["trainable"])

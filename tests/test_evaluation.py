@@ -25,3 +25,15 @@ def test_an_interrupted_evaluation_stops_at_the_next_denoising_step_and_leaves_t
         evaluate_policy(policy, cfg, interrupted=lambda: True)  # asked before it started: nothing runs
     assert not steps
     assert all(torch.equal(before[n], t) for n, t in policy.trainable_state().items())
+
+
+def test_the_command_refuses_a_missing_checkpoint_before_it_loads_the_model(tmp_path, monkeypatch, capsys):
+    """`python -m async_flowgrpo.evaluation ... trainer.resume=latest` with no checkpoint: one line and
+    exit 2, with no model loaded first (its loading bars would come before the line)."""
+    from async_flowgrpo import builders, evaluation
+
+    monkeypatch.setattr(builders, "build_policy", lambda *a, **k: pytest.fail("the model was loaded first"))
+    with pytest.raises(SystemExit) as exit_:
+        evaluation.main([f"trainer.output_dir={tmp_path}", "trainer.resume=latest"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == f"error: trainer.resume=latest: no checkpoint under {tmp_path}/checkpoints"
