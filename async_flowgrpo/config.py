@@ -9,6 +9,7 @@ naming the key; the launchers turn it into exit code 2.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -572,12 +573,15 @@ def validate(c: Config) -> None:
 
     w = c.reward
     _require(len(w.weights) > 0, "reward.weights", "name at least one reward")
-    for name in w.weights:
+    for name, weight in w.weights.items():
         _require(name in available_rewards(), f"reward.weights.{name}", f"unknown reward (available: {', '.join(available_rewards())})")
+        _require(math.isfinite(weight), f"reward.weights.{name}", f"must be a finite number, got {weight!r}")
         video = c.model.family in VIDEO_FAMILIES
         _require(takes_video(name) == video, f"reward.weights.{name}",
                  f"scores {'videos' if takes_video(name) else 'images'} but model.family {c.model.family} makes "
                  + (f"videos: use {FRAMES_PREFIX}{name} (its mean over frames) or a video reward" if video else "images"))
+    _require(any(weight != 0 for weight in w.weights.values()), "reward.weights",
+             "every weight is 0: nothing to learn from (a negative weight minimises that reward)")
     for name in w.options:
         _require(name in w.weights, f"reward.options.{name}", "has no weight in reward.weights")
         try:
