@@ -12,7 +12,7 @@ import importlib.util
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
@@ -381,8 +381,20 @@ def _choice(value: Any, key: str, choices: tuple) -> None:
     _require(value in choices, key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
 
 
+def _finite_numbers(node: Any, prefix: str = "") -> None:
+    """NaN or infinity in a float setting (`nan`, a mistyped 1e1000) is never meaningful here: it
+    would reach the loss or a timeout as it is."""
+    for f in fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if is_dataclass(value):
+            _finite_numbers(value, key + ".")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), key, f"must be a finite number, got {value}")
+
+
 def validate(c: Config) -> None:
     """Impossible combinations fail here, at start, naming the key."""
+    _finite_numbers(c)
     _choice(c.mode, "mode", MODES)
     _choice(c.model.family, "model.family", FAMILIES)
     _choice(c.model.dtype, "model.dtype", ("auto", "float32", "bfloat16", "float16"))
