@@ -617,10 +617,13 @@ def validate(c: Config) -> None:
     _require(e.every >= 0, "eval.every", "must be >= 0")
     _require(e.num_steps >= 1, "eval.num_steps", "must be >= 1")
     _require(e.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
+    _require(e.guidance_scale >= 0, "eval.guidance_scale", "must be >= 0")
     _choice(c.logging.wandb_mode, "logging.wandb_mode", ("online", "offline", "disabled"))
     _choice(c.logging.actor_output, "logging.actor_output", ("file", "console"))
     for key in ("connect_timeout_s", "start_timeout_s", "restart_timeout_s", "call_timeout_s", "work_timeout_s", "poll_s", "batch_wait_s"):
         _require(getattr(c.ray, key) > 0, f"ray.{key}", "must be > 0")
+    for key in ("num_cpus", "num_gpus"):
+        _require(getattr(c.ray, key) is None or getattr(c.ray, key) >= 0, f"ray.{key}", "must be >= 0, or null for all the machine's")
     loaded = {}
     from async_flowgrpo.models import adapter_class  # (the adapter modules import no model library)
 
