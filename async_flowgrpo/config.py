@@ -600,6 +600,11 @@ def validate(c: Config) -> None:
             check_options(name, dict(w.options[name] or {}))
         except ValueError as e:
             raise ConfigError(f"reward.options.{name}: {e}") from None
+        if not (c.ray.address or os.environ.get("RAY_ADDRESS")):  # a local cluster: the reward loads its files here
+            for key, value in (w.options[name] or {}).items():
+                if key.endswith("path") and isinstance(value, str):
+                    _require(os.path.exists(os.path.expanduser(value)), f"reward.options.{name}.{key}",
+                             f"'{value}' does not exist on this machine (nothing is downloaded)")
     _require(w.num_workers >= 0, "reward.num_workers", "must be >= 0")
     _require(w.cpus_per_worker > 0, "reward.cpus_per_worker", "must be > 0")
     _require(w.gpus_per_worker >= 0, "reward.gpus_per_worker", "must be >= 0")

@@ -229,3 +229,21 @@ def test_a_bad_reward_option_is_a_config_error_not_a_failure_at_the_first_rollou
     with pytest.raises(ConfigError, match=message):
         load_config("sync", [f"reward.options.shapes.{option}"])
     assert load_config("sync", ["reward.options.shapes.score=graded"]).reward.options["shapes"]["score"] == "graded"
+
+
+def test_a_model_rewards_missing_file_is_a_config_error_on_a_local_cluster(tmp_path, monkeypatch):
+    """A reward's local file named in its options (path, clip_path, ...) that does not exist stops the
+    launcher (exit 2) instead of failing the first group after Ray, an evaluation and a step-0
+    checkpoint that leaves the output directory used. Joining a cluster, the file may be on the
+    node the reward runs on: not checked there."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    missing = str(tmp_path / "PickScore_v1")
+    args = ["reward.weights={pickscore: 1.0}", f"reward.options.pickscore.path={missing}"]
+    with pytest.raises(ConfigError, match=f"reward.options.pickscore.path: '{missing}' does not exist on this machine"):
+        load_config("sync", args)
+    with pytest.raises(ConfigError, match="reward.options.aesthetic.clip_path: "):
+        load_config("sync", ["reward.weights={aesthetic: 1.0}", f"reward.options.aesthetic.path={tmp_path}",
+                             f"reward.options.aesthetic.clip_path={missing}"])
+    load_config("sync", [*args, "ray.address=auto"])  # another machine's file: the reward says so when it loads
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    load_config("sync", args)
