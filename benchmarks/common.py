@@ -71,8 +71,9 @@ def load_mode_config(mode: str, overrides: list[str]):
 
     try:
         return load_config(mode, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"config error ({mode}): {e}") from None
+    except ConfigError as e:  # exit 2, as the launchers' config errors
+        print(f"config error ({mode}): {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def run_or_exit(cfg):

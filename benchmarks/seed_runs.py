@@ -25,6 +25,7 @@ mean rise, its standard error (std / sqrt(n)) and the worst seed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -140,6 +141,12 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
     write_launch(out, full, wall, None)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        if proc.returncode == 2 and not wall_before:  # refused before it ran (a config error): no run to keep
+            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(out))  # the sweep's directory, when this was its only seed
+            print(f"{name} seed {seed}: {tail[-1] if tail else 'exit 2'}", file=sys.stderr)
+            raise SystemExit(2)
         raise SystemExit(f"{name} seed {seed}: exit {proc.returncode}: {' | '.join(tail)}")
     final_at = {str(g): evaluate_final(out, args, env, guidance=g) for g in other_cfg}
     # the run evaluated its weight average: the same last checkpoint's live weights, a paired comparison

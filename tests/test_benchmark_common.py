@@ -84,3 +84,11 @@ def test_rollout_time_compares_settings_of_one_model_by_their_transformer_calls(
     assert (tmp_path / "r.json").exists()
     with pytest.raises(SystemExit, match="same model"):
         rollout_time.main([files[0], f"{CONFIG_DIR}/mixgrpo.yaml", "--rounds", "1"])
+
+
+def test_a_benchmarks_config_error_is_one_line_and_exit_2(common, capsys):
+    """As the launchers': a benchmark given a bad setting exits 2 with the key named."""
+    with pytest.raises(SystemExit) as exit_:
+        common.load_mode_config("sync", ["trainer.lr=abc"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("config error (sync): trainer.lr: ")

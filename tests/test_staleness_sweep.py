@@ -176,3 +176,16 @@ def test_seed_runs_continue_a_cut_off_run_of_the_same_command_from_its_checkpoin
     with pytest.raises(SystemExit):  # another command: its directory starts again
         seed_runs.run_seed("cut", 20, "fully_async", [*args, "trainer.lr=1e-3"], [])
     assert "trainer.resume=latest" not in launched[2]
+
+
+def test_a_seed_refused_for_its_config_exits_2_and_leaves_no_directory(sweep, monkeypatch, capsys):
+    """The launcher's exit 2 (a config error, before anything ran): seed_runs exits 2 with its line, and
+    no seed or sweep directory is left to look like a run."""
+    seed_runs = sweep.seed_runs
+    monkeypatch.setattr(seed_runs.subprocess, "run", lambda cmd, **kwargs: type(
+        "Proc", (), {"returncode": 2, "stderr": "config error: trainer.lr: must be a finite number, got nan", "stdout": ""})())
+    with pytest.raises(SystemExit) as exit_:
+        seed_runs.run_seed("refused", 0, "fully_async", ["trainer.lr=nan"], [])
+    assert exit_.value.code == 2
+    assert "refused seed 0: config error: trainer.lr: must be a finite number" in capsys.readouterr().err
+    assert not os.path.exists(os.path.join(seed_runs.ROOT, "refused"))
