@@ -2,13 +2,14 @@
 
 Exit codes: 0 done; 2 a mistake found before Ray starts (config, input files, run directory,
 checkpoint to resume), one line on stderr; 1 a failure during the run, one line; 128 + signal
-(143 SIGTERM, 130 SIGINT) a graceful stop, with the command that resumes: after a checkpoint of the
+(143 SIGTERM, 130 SIGINT, 129 SIGHUP) a graceful stop, with the command that resumes: after a checkpoint of the
 current step, or, when the signal stopped the trainers too, trainer.stop_grace_s ran out first or
 the actors did not answer in time, naming the last checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
 
@@ -133,7 +134,8 @@ def main(mode: str, argv: list[str]) -> None:
                       f"then resume from the last checkpoint with trainer.resume=latest", file=sys.stderr)
                 raise SystemExit(1) from None
     except Stopped as e:
-        print(stop_line(e, argv), file=sys.stderr)
+        with contextlib.suppress(OSError):  # after a hangup the terminal may be gone: the exit code stays
+            print(stop_line(e, argv), file=sys.stderr)
         raise SystemExit(e.exit_code) from None
     except StopRequested as e:
         print("stopped during start-up (nothing trained by this run); run the same command again", file=sys.stderr)

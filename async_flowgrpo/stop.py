@@ -1,4 +1,5 @@
-"""Graceful stop on SIGTERM / SIGINT (what a scheduler, `ray job stop` and Ctrl-C send).
+"""Graceful stop on SIGTERM / SIGINT / SIGHUP (what a scheduler, `ray job stop`, Ctrl-C and a closed
+terminal send; a run started under `nohup` keeps ignoring SIGHUP).
 
 The first signal asks the driver to stop at the next safe point: between two trainer steps, or at
 once while it waits for work whose result the checkpoint does not need (rollouts: a batch being
@@ -6,7 +7,7 @@ generated is regenerated after resume; an evaluation: abandoned, see `Run.evalua
 interrupts a trainer update or a checkpoint: an update interrupted half-way would go on in the
 trainer actor and a checkpoint labelled step N would hold N+1 updates. An update in flight
 finishes (one step's work), then the driver saves a checkpoint, prints one line and exits
-128 + signal (143 for SIGTERM, 130 for SIGINT).
+128 + signal (143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP).
 
 The grace period (`trainer.stop_grace_s`, a scheduler's wait between SIGTERM and SIGKILL): when the
 update and the save have not finished `SHUTDOWN_RESERVE_S` before it ends, the driver gives them up
@@ -37,7 +38,7 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal or SSH session closed
 SHUTDOWN_RESERVE_S = 8.0  # of the grace period, kept for shutting the actors and Ray down (took about 4 s on 2 busy cores)
 
 
@@ -97,11 +98,13 @@ class GracefulStop:
         self._previous: dict[int, object] = {}
 
     def install(self) -> "GracefulStop":
-        """Take over SIGTERM and SIGINT (main thread only; elsewhere, e.g. under a test runner's
+        """Take over SIGNALS (main thread only; elsewhere, e.g. under a test runner's
         worker thread, signals are left alone). Install before Ray starts: `init_ray` keeps ray.init
         from replacing these handlers."""
         if threading.current_thread() is threading.main_thread():
             for sig in SIGNALS:
+                if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                    continue  # started under nohup: a hangup is meant to be ignored
                 self._previous.setdefault(sig, signal.getsignal(sig))
                 signal.signal(sig, self._handle)
         return self

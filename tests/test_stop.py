@@ -80,6 +80,31 @@ def test_once_closing_a_signal_is_noted_and_never_raised():
 def test_exit_codes_follow_the_shell_convention():
     assert Stopped(signal.SIGTERM, 3, True, "step_000003").exit_code == 143
     assert Stopped(signal.SIGINT, 3, True, "step_000003").exit_code == 130
+    assert Stopped(signal.SIGHUP, 3, True, "step_000003").exit_code == 129
+
+
+def test_a_hangup_stops_gracefully_unless_the_run_was_started_under_nohup():
+    """SIGHUP (the terminal or SSH session closed) saves and stops as SIGTERM does; started under
+    `nohup` (SIGHUP ignored), the run keeps ignoring it."""
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        stop = GracefulStop().install()
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.requested and stop.signum == signal.SIGHUP
+        finally:
+            stop.uninstall()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+        stop = GracefulStop().install()
+        try:
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert not stop.requested and signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        finally:
+            stop.uninstall()
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_the_stop_line_says_how_to_go_on():
