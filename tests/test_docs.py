@@ -151,12 +151,16 @@ def tiny_wan_commands() -> dict[str, str]:
     return made
 
 
-def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir, tmp_path_factory):
+def test_doc_launcher_commands_load(tiny_model_dir, tiny_a14b_dir, tmp_path_factory, monkeypatch):
     """A launcher (or evaluation) command's YAML files and overrides are a valid config. A model path
     that only exists on a GPU machine is swapped for the tiny test model (the two-expert twin for
     the two-expert preset, whose expert keys are checked against the model); one that a doc command
-    writes with `async_flowgrpo.models.tiny_wan` is that twin, written here."""
+    writes with `async_flowgrpo.models.tiny_wan` is that twin, written here. The reward files the
+    commands name (/models/...) are on the user's machine: loaded as for a joined cluster, where
+    the config does not look for them."""
     from async_flowgrpo.models.tiny_wan import make_tiny_wan_dir
+
+    monkeypatch.setenv("RAY_ADDRESS", "gpu-node:6379")
 
     twins = tiny_wan_commands()
     assert "outputs/tiny_ti2v" in twins  # (the README's image-to-video command: this check must see it)
