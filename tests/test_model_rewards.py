@@ -344,6 +344,7 @@ class _KeepAliveServer:
     def __init__(self, hold_s: float = 0.0, throttle: bool = False, gather: int = 1):
         self.ports: list[int] = []
         self.in_flight = self.most_in_flight = 0
+        self.gathered = False
         self.lock = threading.Condition()
         server = self
 
@@ -360,8 +361,9 @@ class _KeepAliveServer:
                     server.ports.append(self.client_address[1])
                     server.in_flight += 1
                     server.most_in_flight = max(server.most_in_flight, server.in_flight)
+                    server.gathered |= server.in_flight >= gather  # released together: not one by one
                     server.lock.notify_all()
-                    server.lock.wait_for(lambda: server.in_flight >= gather, timeout=hold_s)
+                    server.lock.wait_for(lambda: server.gathered, timeout=hold_s)
                     server.in_flight -= 1
                 if throttle and first:
                     payload, code = b"slow down", 429

@@ -133,7 +133,7 @@ def test_two_nodes_between_steps_and_mid_generation_then_the_rollout_node_dies_a
 
     out = tmp_path / "node_lost"
     cmd = two_node_command("fully_async", nodes.address, tiny_model_dir, prompts, out, "trainer.total_steps=200",
-                           "trainer.checkpoint_every=2", "ray.restart_timeout_s=20")  # how long a lost actor is waited for
+                           "trainer.checkpoint_every=2", "ray.restart_timeout_s=5")  # how long a lost actor is waited for
     run = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.time() + 300
     while not (out / "metrics.jsonl").exists() or len(metrics(out)) < 3:
