@@ -40,7 +40,7 @@ def scoring_server(handle):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/score"
 
 

@@ -54,7 +54,7 @@ def serve():
     def start(weights, batch_size=64, batch_wait_s=0.05, max_request_mb=512.0):
         service = RewardService(CombinedReward(weights), batch_size, batch_wait_s)
         server = make_server(service, "127.0.0.1", 0, max_request_mb)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         started.append(server)
         return service, f"http://127.0.0.1:{server.server_address[1]}"
 
