@@ -513,6 +513,30 @@ def test_one_step_off_stop_saves_the_finished_batch_in_flight(ray_cluster, tiny_
     assert all(r["staleness/max"] <= 1 for r in rows)
 
 
+def test_an_update_that_ends_during_the_stops_staged_save_leaves_the_save_to_the_regular_checkpoint(
+        ray_cluster, tiny_model_dir, prompt_file, tmp_path):
+    """A stop during an update saves the step before it from the trainer's staged state; when the
+    update ends in between (after the staged state is read, before its weights are written, so the
+    staged copy is already the next version's), that save steps aside, writing nothing, and the
+    stop's regular checkpoint has the step the update made. (Before: the run ended with `an actor
+    failed after the signal: RuntimeError: staged state is of version 8, not 7`.)"""
+    from async_flowgrpo import checkpoint
+
+    cfg = small_config("sync", tiny_model_dir, prompt_file, str(tmp_path), "trainer.checkpoint_every=0",
+                       "trainer.min_step_time_s=3")  # the update is still in flight when the staged state is read
+    p = Run(cfg)
+    try:
+        step = p.start_train(one_batch(p))
+        p.before_staged_save = lambda: ray.get(step.calls, timeout=120)  # the update ends mid-save
+        assert p.save_staged_checkpoint(step) is None
+        assert p.checkpointer.latest_name() is None and not os.listdir(p.checkpointer.root)  # no debris either
+        p.finish_train(step)
+        saved = checkpoint.load(p.save_checkpoint(at_stop=True))
+        assert saved["step"] == saved["version"] == 1
+    finally:
+        p.shutdown()
+
+
 def test_fully_async_stop_saves_the_queue_before_it_is_drained(ray_cluster, tiny_model_dir, prompt_file, tmp_path, monkeypatch):
     """The checkpoint a stop writes holds the groups queued at that moment (the producers are
     stopped and the queue drained only afterwards); the resumed run drains nothing and balances."""

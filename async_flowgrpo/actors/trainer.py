@@ -280,19 +280,22 @@ class TrainerActor:
         return self.staged
 
     @ray.method(concurrency_group="control")
-    def save_staged_weights(self, path: str, version: int) -> None:
+    def save_staged_weights(self, path: str, version: int) -> bool:
         """`save_weights` from the staged state of `version` (the live weights may be mid-update):
         LoRA in the family's format; a full fine-tune's transformer as config + safetensors. A
-        two-expert full fine-tune's weights are left to the next regular checkpoint."""
+        two-expert full fine-tune's weights are left to the next regular checkpoint. False, and
+        nothing written, when the update has ended since the driver read `version`'s state: the
+        staged copy is then the next version's."""
         staged_version, state = self.staged
         if staged_version != version:
-            raise RuntimeError(f"staged state is of version {staged_version}, not {version}")
+            return False
         weights = state["ema"]["average"] if "ema" in state else state["trainable"]  # what save_weights saves
         policy = self.learner.policy
         if policy.lora_rank > 0:
             policy.adapter.save_lora(path, weights)
         elif len(policy.adapter.trained_components()) == 1:
             self._save_full(path, weights)
+        return True
 
     def _save_full(self, path: str, weights: dict[str, torch.Tensor]) -> None:
         """A full fine-tune's transformer from `weights` (its parameters, by name) and the live

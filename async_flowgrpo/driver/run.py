@@ -100,6 +100,10 @@ def requeued(extra: dict, groups: list[Group]) -> dict:
                                "queued_groups": [g.to_state() for g in groups] + saved["queued_groups"]}}
 
 
+class _UpdateEnded(Exception):
+    """The update in flight ended during a stop's save from the staged state (see save_staged_checkpoint)."""
+
+
 @dataclass
 class TrainStep:
     """An update sent to the trainers (`calls`: one ref per trainer; none when the batch was too
@@ -482,8 +486,18 @@ class Run:
             counts = {"produced_samples": self.produced_samples - sum(g.size for g in groups),
                       "skipped_groups": self.skipped_groups - skipped}
         state = {**self._state(staged[1], extra, in_flight), **counts}
-        path = self._write(state, lambda tmp: ray.get(trainer.save_staged_weights.remote(os.path.join(tmp, "weights"), self.version),
-                                                      timeout=self.cfg.ray.work_timeout_s))
+
+        def write_weights(tmp: str) -> None:
+            saved = trainer.save_staged_weights.remote(os.path.join(tmp, "weights"), self.version)
+            if not ray.get(saved, timeout=self.cfg.ray.work_timeout_s):
+                raise _UpdateEnded
+
+        try:
+            path = self._write(state, write_weights)
+        except _UpdateEnded:  # (the checkpointer removes its partial directory)
+            logger.info("step %d: update %d ended during the stop's save of step %d from the staged state; "
+                        "that save is left to the regular checkpoint", self.step, self.step + 1, self.step)
+            return None
         logger.info("step %d: a stop during update %d: step %d saved from the trainer's staged state (%s); the update "
                     "goes on within trainer.stop_grace_s", self.step, self.step + 1, self.step, path)
         return path
