@@ -155,6 +155,8 @@ def run_seed(name: str, seed: int, mode: str, args: list[str], other_cfg: list[f
     if final_samples:  # the last checkpoint and the base on more samples per prompt: a rise with a smaller SE
         final_large = {"samples_per_prompt": final_samples, "base": base_accuracy(name, args, env, final_samples),
                        "last": evaluate_final(out, args, env, samples=final_samples)}
+        if final_live is not None:  # the paired comparison at the smaller SE too
+            final_large["last_live"] = evaluate_final(out, args, env, live=True, samples=final_samples)
     prune_run_outputs(out)
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump({"command": shlex.join(c if c != sys.executable else "python" for c in cmd), "seed": seed,
@@ -192,7 +194,7 @@ def summarize_run(run_dir: str) -> dict:
         "reward_last_quarter": round(sum(rewards[-quarter:]) / quarter, 4),
         "final_at_cfg": info.get("final_eval_accuracy_at_cfg", {}),
         "final_live": info.get("final_eval_accuracy_live"),  # where the evaluations are of a weight average
-        "final_large": info.get("final_eval_large"),  # {samples_per_prompt, base, last}: --final-samples
+        "final_large": info.get("final_eval_large"),  # {samples_per_prompt, base, last[, last_live]}: --final-samples
         "staleness_mean": round(sum(r.get("staleness/mean", 0) for r in rows) / max(1, len(rewards)), 3),
         "mode": info.get("mode"),
         "train_step_s_median": _median([r["train/time_s"] for r in rows if "train/time_s" in r]),

@@ -22,16 +22,23 @@ The policy is any object with DiffusionPolicy's training interface (`trainable_p
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from async_flowgrpo import seqpar
 from async_flowgrpo.types import Group
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether `t` is sharded (FSDP's DTensor). Without torch.distributed.tensor imported, nothing can
+    be: not importing it here keeps a second off every launcher's start (the config imports this module)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -45,7 +52,7 @@ def reduce_grads(params: list[nn.Parameter], grad_all_reduce: Callable[[list[nn.
     alone: a zero gradient would still move it (its momentum, weight decay) and count a step.
     Sharded (FSDP, whose reduce-scatter ran inside backward), each gets zeros as before: two-expert
     models are not sharded (config.validate)."""
-    if any(isinstance(p, DTensor) for p in params):
+    if any(is_dtensor(p) for p in params):
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -114,7 +121,7 @@ class Learner:
         self.steps = 0  # train_step calls: the lr schedule's clock
         # no rank holds a whole gradient before the reduce: FSDP gives each a slice of every one,
         # sequence parallelism its tokens' share (so no cosine of whole ones, grad/half_cos)
-        self._sharded = any(isinstance(p, DTensor) for p in self.params) or seqpar.splits_tokens(policy)
+        self._sharded = any(is_dtensor(p) for p in self.params) or seqpar.splits_tokens(policy)
 
     def sampling_state(self) -> dict[str, Tensor]:
         """The weights rollout actors sample with: by default the trained ones."""
@@ -153,7 +160,7 @@ class Learner:
         mini-batch's first backward writes its gradient instead of adding it to zeros)."""
         reduce_grads(self.params, self.grad_all_reduce)
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # DTensor under FSDP
+        grad_norm = float(norm.full_tensor() if is_dtensor(norm) else norm)  # DTensor under FSDP
         finite = math.isfinite(grad_norm) and bool(torch.isfinite(loss))
         if finite:
             self.optimizer.step()
