@@ -40,6 +40,7 @@ def sharded_rank(rank, world_size, port, model_dir, eval_prompts, groups_path, o
 
     cfg = lora_config(model_dir, "trainer.fsdp=true", f"eval.prompts={eval_prompts}")
     learner = build_learner(cfg)
+    assert learner._sharded  # its parameters are DTensors (base.is_dtensor): no whole gradient on a rank
     transformer = learner.policy.adapter.transformer
     generate, calls = learner.policy.generate, []
     learner.policy.generate = lambda prompts, *a, **k: calls.append(len(prompts)) or generate(prompts, *a, **k)
