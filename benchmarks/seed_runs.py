@@ -243,6 +243,10 @@ def summarize(name: str) -> dict:
         summary["rise_large"] = {"samples_per_prompt": large[0]["samples_per_prompt"], "base": large[0]["base"],
                                  "mean": round(sum(rises_large) / n, 4), "se": round(_se(rises_large), 4),
                                  "worst": round(min(rises_large), 4), "per_seed": [round(x, 4) for x in rises_large]}
+        if all("last_live" in x for x in large):  # the weight average less the live weights, on the larger evaluation
+            gaps = [x["last"] - x["last_live"] for x in large]
+            summary["rise_large"]["average_minus_live"] = {"mean": round(sum(gaps) / n, 4), "se": round(_se(gaps), 4),
+                                                           "per_seed": [round(g, 4) for g in gaps]}
     with open(os.path.join(base, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return summary
@@ -261,6 +265,7 @@ def table(summary: dict) -> str:
         if r.get("final_large"):
             x = r["final_large"]
             curve += f"; on {x['samples_per_prompt']} samples a prompt: {x['base']:.3f} -> {x['last']:.3f}"
+            curve += f" (live weights: {x['last_live']:.3f})" if "last_live" in x else ""
         wall = "n/a" if r["wall_s"] is None else f"{r['wall_s']:.0f} s"
         lines.append(f"| {r['seed']} | {curve} | {r['rise']:+.3f} | {r['reward_first_quarter']:.3f} -> "
                      f"{r['reward_last_quarter']:.3f} | {wall} |")
@@ -271,6 +276,10 @@ def table(summary: dict) -> str:
         x = summary["rise_large"]
         lines.append(f"\nthe last checkpoint against the base on {x['samples_per_prompt']} samples a prompt (base "
                      f"{x['base']:.3f}): rise {x['mean']:+.3f} (SE {x['se']:.3f}, worst {x['worst']:+.3f})")
+        if "average_minus_live" in x:
+            gap = x["average_minus_live"]
+            lines.append(f"the weight average less the live weights there: {gap['mean']:+.3f} (SE {gap['se']:.3f}; "
+                         f"per seed {', '.join(f'{g:+.3f}' for g in gap['per_seed'])})")
     if "average_minus_live" in summary:
         gap = summary["average_minus_live"]
         lines.append(f"\nthe weight average's last evaluation less the live weights': {gap['mean']:+.3f} (SE {gap['se']:.3f}; "

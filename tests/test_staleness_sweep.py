@@ -78,17 +78,21 @@ def test_seed_runs_use_the_eval_reward_where_there_is_no_accuracy(sweep):
 def test_seed_runs_report_the_weight_average_against_the_live_weights_seed_by_seed(sweep):
     """Runs that evaluated a weight average also carry their last checkpoint's live-weight accuracy:
     the report pairs the two per seed (the average's last evaluation less the live weights')."""
-    for seed, (accuracies, live) in enumerate([([0.6, 0.70], 0.66), ([0.6, 0.64], 0.68)]):
+    for seed, (accuracies, live, large) in enumerate([([0.6, 0.70], 0.66, (0.72, 0.69)), ([0.6, 0.64], 0.68, (0.70, 0.66))]):
         fake_cell(sweep, "flow_grpo", 1, "none", seed, accuracies, staleness=1.0)
         path = os.path.join(sweep.seed_runs.ROOT, sweep.cell_name("s", "flow_grpo", 1, "none"), f"seed{seed}", "run.json")
         info = json.load(open(path))
-        json.dump({**info, "final_eval_accuracy_live": live}, open(path, "w"))
+        on_8 = {"samples_per_prompt": 8, "base": 0.62, "last": large[0], "last_live": large[1]}  # (--final-samples 8)
+        json.dump({**info, "final_eval_accuracy_live": live, "final_eval_large": on_8}, open(path, "w"))
     summary = sweep.seed_runs.summarize(sweep.cell_name("s", "flow_grpo", 1, "none"))
     gap = summary["average_minus_live"]
     assert gap["per_seed"] == [pytest.approx(0.04), pytest.approx(-0.04)] and gap["mean"] == pytest.approx(0.0)
     assert gap["se"] == pytest.approx(0.04)
+    gap_8 = summary["rise_large"]["average_minus_live"]  # the same pairing on the larger evaluation
+    assert gap_8["per_seed"] == [pytest.approx(0.03), pytest.approx(0.04)] and gap_8["mean"] == pytest.approx(0.035)
     text = sweep.seed_runs.table(summary)
-    assert "0.600 -> 0.700; live weights: 0.660 |" in text and "per seed +0.040, -0.040" in text
+    assert "0.600 -> 0.700; live weights: 0.660; on 8 samples a prompt: 0.620 -> 0.720 (live weights: 0.690) |" in text
+    assert "per seed +0.040, -0.040" in text and "live weights there: +0.035 (SE 0.005; per seed +0.030, +0.040)" in text
 
 
 def test_seed_runs_report_the_rise_on_a_larger_final_evaluation(sweep, monkeypatch):
