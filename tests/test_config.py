@@ -247,3 +247,22 @@ def test_a_model_rewards_missing_file_is_a_config_error_on_a_local_cluster(tmp_p
     load_config("sync", [*args, "ray.address=auto"])  # another machine's file: the reward says so when it loads
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     load_config("sync", args)
+
+
+SHIPPED = sorted(f for f in os.listdir(os.path.join(os.path.dirname(__file__), "..", "config"))
+                 if f.endswith(".yaml") and f not in ("base.yaml", "sync.yaml", "one_step_off.yaml", "fully_async.yaml"))
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_file_loads_in_fully_async_and_is_valid_or_one_line_in_the_others(name):
+    """What the README tells users to run (`python launch/MODE.py config/NAME.yaml`) loads, with the
+    file's values in the result; a file that needs fully_async (resampling) is refused with the key named."""
+    path = os.path.join(os.path.dirname(__file__), "..", "config", name)
+    cfg = load_config("fully_async", [path])
+    if "resample_flat_groups: true" in open(path).read():
+        assert cfg.algorithm.resample_flat_groups
+    for mode in ("sync", "one_step_off"):
+        try:
+            assert load_config(mode, [path]).mode == mode
+        except ConfigError as e:
+            assert cfg.algorithm.resample_flat_groups and "algorithm.resample_flat_groups: fully_async only" in str(e), str(e)
