@@ -259,7 +259,9 @@ def test_every_shipped_file_loads_in_fully_async_and_is_valid_or_one_line_in_the
     file's values in the result; a file that needs fully_async (resampling) is refused with the key named."""
     path = os.path.join(os.path.dirname(__file__), "..", "config", name)
     cfg = load_config("fully_async", [path])
-    if "resample_flat_groups: true" in open(path).read():
+    with open(path) as f:
+        resampled = "resample_flat_groups: true" in f.read()
+    if resampled:
         assert cfg.algorithm.resample_flat_groups
     for mode in ("sync", "one_step_off"):
         try:
